@@ -1,0 +1,76 @@
+"""One switch for the fused (``torch.compile``) versions of the element-wise codec kernels.
+
+Every codec kernel is written once as plain vectorised torch code (the *eager* reference). Where
+``torch.compile`` works on the tensor's device, the same function is compiled once (dynamic
+shapes) and used instead: it must be bit-identical to eager, and the tests check both. The switch
+is an explicit call, never an environment variable::
+
+    from lp_lightning.formats import set_compiled_kernels
+    set_compiled_kernels(False)   # eager everywhere (e.g. to debug)
+
+A device where compilation fails falls back to the eager kernel with a single warning; this
+changes speed only, never a bit of the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from typing import Callable, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., object])
+
+_lock = threading.Lock()
+_enabled: bool = True
+_broken_devices: set[str] = set()
+
+
+def set_compiled_kernels(enabled: bool) -> None:
+    """Turn the fused codec kernels on or off for this process (default: on)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def compiled_kernels_enabled() -> bool:
+    """Whether codec kernels try their ``torch.compile`` version first."""
+    return _enabled
+
+
+def fused(fn: F) -> F:
+    """Wrap an eager, element-wise torch kernel so that calls use a compiled twin when possible.
+
+    The wrapper dispatches on the device type of the first tensor argument. The compiled twin is
+    built lazily (``torch.compile(fn, dynamic=True)``) the first time it is needed; if it raises
+    while compiling, that device type is marked broken and the eager ``fn`` is used from then on.
+    ``wrapper.eager`` is the untouched reference implementation.
+    """
+    compiled: dict[str, Callable] = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not _enabled or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        if device in _broken_devices:
+            return fn(*args, **kwargs)
+        kernel = compiled.get(device)
+        if kernel is None:
+            with _lock:
+                kernel = compiled.setdefault(device, torch.compile(fn, dynamic=True))
+        try:
+            return kernel(*args, **kwargs)
+        except Exception as exc:  # compilation problems only: eager is bit-identical
+            _broken_devices.add(device)
+            warnings.warn(
+                f"torch.compile of {fn.__qualname__} failed on device type {device!r} "
+                f"({type(exc).__name__}: {exc}); using the eager kernel (same bits, slower).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return fn(*args, **kwargs)
+
+    wrapper.eager = fn  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
