@@ -27,6 +27,10 @@ _lock = threading.Lock()
 _enabled: bool = True
 _broken_devices: set[str] = set()
 
+#: Below this many elements the eager kernel is used: compiling (and re-specialising for tiny
+#: shapes) costs seconds, while eager code on a few thousand elements costs microseconds.
+MIN_FUSED_NUMEL = 1 << 14
+
 
 def set_compiled_kernels(enabled: bool) -> None:
     """Turn the fused codec kernels on or off for this process (default: on)."""
@@ -42,7 +46,8 @@ def compiled_kernels_enabled() -> bool:
 def fused(fn: F) -> F:
     """Wrap an eager, element-wise torch kernel so that calls use a compiled twin when possible.
 
-    The wrapper dispatches on the device type of the first tensor argument. The compiled twin is
+    The wrapper dispatches on the device type of the first tensor argument; inputs whose first
+    tensor has fewer than ``MIN_FUSED_NUMEL`` elements always run eagerly. The compiled twin is
     built lazily (``torch.compile(fn, dynamic=True)``) the first time it is needed; if it raises
     while compiling, that device type is marked broken and the eager ``fn`` is used from then on.
     ``wrapper.eager`` is the untouched reference implementation.
@@ -53,7 +58,10 @@ def fused(fn: F) -> F:
     def wrapper(*args, **kwargs):
         if not _enabled or torch.compiler.is_compiling():
             return fn(*args, **kwargs)
-        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or first.numel() < MIN_FUSED_NUMEL:
+            return fn(*args, **kwargs)
+        device = first.device.type
         if device in _broken_devices:
             return fn(*args, **kwargs)
         kernel = compiled.get(device)
