@@ -1,0 +1,193 @@
+"""``lp-lightning``: the console entry point (``lp-lightning fit ...`` / ``validate-model ...``).
+
+``lp-lightning fit`` is a LightningCLI over :class:`~lp_lightning.lightning.module.DeepSeekV3LM`
+and :class:`~lp_lightning.lightning.datamodule.PretrainDataModule`. Without ``--config`` it
+trains the embedded default - the values of ``configs/dsv3_tiny.yaml`` (a test keeps the two
+equal): ``dsv3-tiny`` on the running Python's standard-library sources with the byte tokenizer.
+
+Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
+
+* ``--precision {bf16}``: the precision plugin (``mxfp8`` / ``hif8`` arrive with issue 4); an
+  unknown value fails while parsing, naming the choices.
+* ``--fsdp_config.*``: :class:`~lp_lightning.config.FSDP2Config` (seed §4.3); unsupported values
+  (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built.
+* ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
+  (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
+* ``--run_summary.*``: :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`
+  (``<default_root_dir>/run_summary.json``).
+
+The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
+as instances (``FSDP2Strategy``, ``LowPrecisionPlugin``); setting ``--trainer.strategy``,
+``--trainer.plugins`` or ``--trainer.precision`` is an error. ``trainer.logger: true`` (the
+default) means a ``CSVLogger`` under ``<default_root_dir>/logs``.
+
+Processes: ``--trainer.devices N`` on CPU starts N processes (Lightning re-launches this command
+for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes instead::
+
+    torchrun --nproc_per_node 2 -m lp_lightning.cli fit --trainer.devices 2
+    python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml
+
+Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import Namespace
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer import Trainer
+from typing_extensions import override
+
+from lp_lightning.config import FSDP2Config
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
+from lp_lightning.lightning.datamodule import PretrainDataModule
+from lp_lightning.lightning.module import DeepSeekV3LM
+from lp_lightning.lightning.precision import LowPrecisionPlugin, PrecisionMode
+from lp_lightning.lightning.strategy import FSDP2Strategy
+
+__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config"]
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "max_steps": 40,
+    "default_root_dir": "runs/dsv3_tiny",
+    "val_check_interval": 20,
+    "check_val_every_n_epoch": None,
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 1,
+    "gradient_clip_val": 1.0,
+    "deterministic": True,
+    "use_distributed_sampler": False,
+}
+"""Trainer defaults of ``lp-lightning fit`` (= the ``trainer:`` block of ``configs/dsv3_tiny.yaml``).
+
+``use_distributed_sampler`` must stay false: the datamodule already gives each rank its rows.
+``val_check_interval`` counts training micro-batches (Lightning's unit); with
+``accumulate_grad_batches: 1`` that is optimizer steps.
+"""
+
+_SET_BY_LP_LIGHTNING = {"strategy": "auto", "plugins": None, "precision": None}
+
+
+class LPLightningCLI(LightningCLI):
+    """LightningCLI of the pretraining job (see the module docstring).
+
+    Args:
+        args: Command-line arguments (without the program name); ``None`` reads ``sys.argv``.
+        run: Whether to run the subcommand (``False``: only parse and instantiate).
+    """
+
+    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        super().__init__(
+            model_class=DeepSeekV3LM,
+            datamodule_class=PretrainDataModule,
+            trainer_defaults=dict(TRAINER_DEFAULTS),
+            seed_everything_default=0,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lp-lightning"},
+            args=None if args is None else list(args),
+            run=run,
+        )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--precision",
+            type=PrecisionMode,
+            default="bf16",
+            help="GEMM precision: bf16 (BF16 compute, FP32 master weights and gradient reduction).",
+        )
+        parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
+        parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.every_n_steps": 20})
+        parser.add_lightning_class_args(RunSummaryCallback, "run_summary")
+        parser.link_arguments("precision", "run_summary.precision")
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parses, then validates ``fsdp_config`` so that unsupported values fail as a usage error.
+
+        ``FSDP2Config.__post_init__`` runs here, before any class is instantiated, and its
+        message (naming ``fsdp_config.<key>``) is printed as ``error: ...`` with exit status 2.
+        """
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        section = self.config[subcommand] if subcommand else self.config
+        try:
+            FSDP2Config(**section["fsdp_config"].as_dict())
+        except (TypeError, ValueError) as err:
+            target = self._subcommand_parsers[subcommand] if subcommand else parser
+            target.error(str(err))
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Builds the Trainer with ``FSDP2Strategy`` and ``LowPrecisionPlugin`` instances.
+
+        Raises:
+            ValueError: ``trainer.strategy``, ``trainer.plugins`` or ``trainer.precision`` is set.
+        """
+        trainer_config = self._get(self.config_init, "trainer", default={})
+        for key, default in _SET_BY_LP_LIGHTNING.items():
+            if trainer_config.get(key, default) != default:
+                raise ValueError(
+                    f"trainer.{key}={trainer_config[key]!r} cannot be set: lp-lightning builds the "
+                    f"strategy and the precision plugin from --fsdp_config and --precision. Remove "
+                    f"trainer.{key}."
+                )
+        fsdp_config = self._get(self.config_init, "fsdp_config")
+        precision = self._get(self.config, "precision")
+        kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)
+        kwargs["plugins"] = [LowPrecisionPlugin(precision)]
+        if trainer_config.get("logger") in (None, True):
+            kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
+        return super().instantiate_trainer(**kwargs)
+
+
+class _ParseOnlyCLI(LPLightningCLI):
+    @override
+    def instantiate_classes(self) -> None:
+        """Parsing and validation only: no model, datamodule or Trainer is created."""
+
+
+def parse_config(args: Sequence[str] = ()) -> Namespace:
+    """Parses and validates ``lp-lightning fit`` options without instantiating anything.
+
+    Useful to check a YAML before launching a job (``parse_config(["--config", path])``). Argument
+    errors exit like the CLI (``SystemExit(2)`` with the message on stderr).
+
+    Args:
+        args: Options as on the command line, without the ``fit`` subcommand.
+
+    Returns:
+        The parsed configuration namespace (``config.model.lr``, ``config.fsdp_config`` ...).
+    """
+    return _ParseOnlyCLI(args=list(args), run=False).config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``lp-lightning``.
+
+    Args:
+        argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        Exit status (0 on success; argument errors exit with status 2 through ``SystemExit``).
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "validate-model":
+        from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
+
+        return validate_model_main(args[1:])
+    LPLightningCLI(args=None if argv is None else args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""FSDP2 parallelisation of a Hugging Face causal LM, in the build order of seed §12.1 / §14.
+
+:func:`parallelize_causal_lm` takes the plain model that ``configure_model`` built (every rank
+holds identical weights) and applies, in this order and nowhere else:
+
+1. **precision conversion** (``convert_module``: the precision plugin's module replacement; a
+   no-op for ``bf16``, the low-precision replacement plan from issue 4 on). It must see plain
+   ``nn.Linear`` / experts modules and plain Parameters, so it runs before sharding (STYLE §5.9;
+   Lightning's own ``ModelParallelStrategy`` calls ``convert_module`` *after* ``configure_model``
+   has sharded, Lightning issue #19989).
+2. **FP32 upcast** of every floating-point Parameter: these become the FP32 master shards that
+   AdamW updates (seed §10). Buffers keep the dtype the model builder gave them.
+3. **``fully_shard``** on each decoder layer ``model.model.layers[i]`` and then on the root, over
+   a 1-D ``("dp_shard",)`` mesh with ``MixedPrecisionPolicy(param_dtype=bf16,
+   reduce_dtype=fp32)``: the all-gathered compute copies are BF16, gradients are reduce-scattered
+   in FP32 and land on the FP32 shards. Modules whose Parameters the model builder deliberately
+   kept in FP32 inside a BF16 model (HF's ``_keep_in_fp32_modules_strict``: the DeepSeek-V3 MoE
+   router ``mlp.gate``) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
+   routing is computed from FP32 weights exactly as in the unsharded model.
+4. **activation checkpointing** per decoder layer when ``activation_checkpoint="full"``:
+   ``checkpoint_wrapper(..., CheckpointImpl.NO_REENTRANT)`` around the sharded layer. The wrapper
+   inserts ``_checkpoint_wrapped_module`` into ``named_parameters()`` FQNs, but its state-dict hooks
+   strip it, so ``state_dict()`` and ``torch.distributed.checkpoint.state_dict`` keys stay the HF
+   names (tested in ``tests/distributed/test_fsdp.py``).
+
+The optimizer is created afterwards (Lightning's ``setup_optimizers``), over the sharded FP32
+Parameters.
+
+Only torch is imported here (no Lightning): the Trainer strategy and the Fabric strategy in
+``lp_lightning/lightning/strategy.py`` both call these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from lp_lightning.config import ActivationCheckpointMode
+
+__all__ = [
+    "DP_SHARD_DIM",
+    "ParallelizationRecord",
+    "apply_activation_checkpointing",
+    "build_dp_mesh",
+    "decoder_layers",
+    "default_mixed_precision_policy",
+    "is_parallelized",
+    "modules_kept_in_fp32",
+    "parallelize_causal_lm",
+    "process_group_backend_for",
+    "resolve_causal_lm",
+    "total_grad_norm",
+    "upcast_parameters_to_fp32",
+]
+
+DP_SHARD_DIM = "dp_shard"
+"""Name of the single dimension of the data-parallel device mesh."""
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def process_group_backend_for(device_type: str) -> str:
+    """The torch.distributed backend for a device type: gloo (CPU), nccl (CUDA), hccl (NPU).
+
+    Args:
+        device_type: ``torch.device.type`` of this rank's root device.
+
+    Returns:
+        The backend name passed to ``init_process_group``.
+
+    Raises:
+        ValueError: For any other device type.
+    """
+    try:
+        return _BACKENDS[device_type]
+    except KeyError:
+        raise ValueError(
+            f"no process group backend known for device type {device_type!r}; supported: "
+            f"{sorted(_BACKENDS)} -> {sorted(_BACKENDS.values())}. Pass "
+            f"process_group_backend=... to the strategy explicitly."
+        ) from None
+
+
+def build_dp_mesh(device_type: str, dp_shard_size: int) -> DeviceMesh:
+    """The 1-D data-parallel mesh ``(dp_shard_size,)`` named ``("dp_shard",)``.
+
+    Requires an initialised default process group whose world size is ``dp_shard_size`` (a
+    1-rank mesh for a single process, so 1- and N-process runs share one code path).
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
+        dp_shard_size: Number of ranks the parameters are sharded over.
+
+    Returns:
+        The device mesh.
+    """
+    return init_device_mesh(device_type, (dp_shard_size,), mesh_dim_names=(DP_SHARD_DIM,))
+
+
+def default_mixed_precision_policy() -> MixedPrecisionPolicy:
+    """BF16 compute copies, FP32 gradient reduction (seed §10: FP32 master and FP32 reduce).
+
+    Returns:
+        ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
+    """
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def resolve_causal_lm(module: nn.Module) -> nn.Module:
+    """Finds the HF causal LM (``X.model.layers`` is its decoder-layer list) in ``module``.
+
+    Args:
+        module: Either the HF ``*ForCausalLM`` itself or a wrapper (e.g. the LightningModule)
+            that holds it at ``.model``.
+
+    Returns:
+        The causal LM whose decoder layers are ``.model.layers``.
+
+    Raises:
+        TypeError: Neither ``module.model.layers`` nor ``module.model.model.layers`` is an
+            ``nn.ModuleList``.
+    """
+    for candidate in (module, getattr(module, "model", None)):
+        inner = getattr(candidate, "model", None)
+        if isinstance(candidate, nn.Module) and isinstance(getattr(inner, "layers", None), nn.ModuleList):
+            return candidate
+    raise TypeError(
+        f"cannot find a Hugging Face causal LM in {type(module).__name__}: expected "
+        f"`module.model.layers` (a *ForCausalLM such as DeepseekV3ForCausalLM) or "
+        f"`module.model.model.layers` (a wrapper holding it at `.model`) to be an nn.ModuleList."
+    )
+
+
+def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
+    """The decoder layers ``causal_lm.model.layers`` (the FSDP2 / recompute unit, seed §9)."""
+    layers = getattr(getattr(causal_lm, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(
+            f"{type(causal_lm).__name__}.model.layers is not an nn.ModuleList; pass the HF "
+            f"*ForCausalLM (see resolve_causal_lm)."
+        )
+    return layers
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether ``module`` (or a submodule) was already passed to ``fully_shard``."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def upcast_parameters_to_fp32(module: nn.Module) -> int:
+    """Casts every floating-point Parameter to FP32 in place (same Parameter objects).
+
+    The FP32 values become the FP32 master shards after ``fully_shard`` (seed §10). BF16 -> FP32
+    is exact. Parameter identity (and so tying/sharing) is kept because only ``.data`` changes.
+
+    Args:
+        module: Model with plain (not yet sharded) Parameters.
+
+    Returns:
+        Number of Parameters whose dtype changed.
+
+    Raises:
+        TypeError: A Parameter is already a DTensor (upcast must precede sharding).
+    """
+    changed = 0
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise TypeError(
+                f"parameter {name!r} is already a DTensor: upcast to FP32 must run before "
+                f"fully_shard (seed §12.1)."
+            )
+        if param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+            changed += 1
+    return changed
+
+
+def apply_activation_checkpointing(causal_lm: nn.Module, mode: ActivationCheckpointMode) -> int:
+    """Wraps each decoder layer in a non-reentrant ``checkpoint_wrapper`` when ``mode == "full"``.
+
+    Recompute replays each layer's forward (including FSDP2's pre-forward all-gather, which
+    FSDP2 skips while it is already in pre-backward) during backward; no weights are refreshed and
+    no persistent copy is made (R10). State-dict keys stay HF-clean (module docstring).
+
+    Args:
+        causal_lm: The HF causal LM (decoder layers at ``.model.layers``).
+        mode: ``"off"`` (nothing happens) or ``"full"``.
+
+    Returns:
+        Number of wrapped layers.
+
+    Raises:
+        ValueError: ``mode`` is not ``"off"`` or ``"full"``.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        CheckpointWrapper,
+        checkpoint_wrapper,
+    )
+
+    if mode not in ("off", "full"):
+        raise ValueError(
+            f"activation_checkpoint must be 'off' or 'full' (seed §15), got {mode!r}."
+        )
+    if mode == "off":
+        return 0
+    layers = decoder_layers(causal_lm)
+    for i, layer in enumerate(layers):
+        if isinstance(layer, CheckpointWrapper):
+            raise ValueError(f"decoder layer {i} is already wrapped for activation checkpointing.")
+        layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    return len(layers)
+
+
+def modules_kept_in_fp32(module: nn.Module) -> tuple[str, ...]:
+    """FQNs of modules whose own Parameters are all FP32 while the model also holds BF16 ones.
+
+    The HF builder keeps ``_keep_in_fp32_modules_strict`` Parameters in FP32 when it builds a BF16
+    model (DeepSeek-V3: the MoE router weight ``model.layers.<i>.mlp.gate.weight``); their compute
+    must stay FP32 after sharding. Call it before :func:`upcast_parameters_to_fp32`. A model built
+    entirely in FP32 (or entirely in BF16) yields ``()``.
+
+    Args:
+        module: The plain (unsharded) model.
+
+    Returns:
+        FQNs in ``named_modules()`` order.
+    """
+    if not any(p.dtype == torch.bfloat16 for p in module.parameters()):
+        return ()
+    kept = []
+    for fqn, sub in module.named_modules():
+        own = list(sub.parameters(recurse=False))
+        if fqn and own and all(p.dtype == torch.float32 for p in own):
+            kept.append(fqn)
+    return tuple(kept)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelizationRecord:
+    """What :func:`parallelize_causal_lm` did, in order (read-only; for logs, probes and tests).
+
+    Args:
+        steps: The build steps in the order they ran, from ``("convert_module", "upcast_fp32",
+            "fully_shard", "activation_checkpoint")``; ``"convert_module"`` is absent when the
+            caller converted the module itself (Fabric does so before ``setup_module``).
+        mesh_shape: Shape of the data-parallel mesh, ``(dp_shard_size,)``.
+        upcast_params: Number of Parameters cast to FP32.
+        sharded_modules: Number of ``fully_shard`` calls (FP32-compute modules + decoder layers +
+            root).
+        fp32_compute_modules: FQNs of the modules sharded with ``param_dtype=fp32`` (see
+            :func:`modules_kept_in_fp32`).
+        checkpointed_layers: Number of decoder layers wrapped for recomputation.
+        reshard_after_forward: The FSDP2 flag used.
+        param_dtype: FSDP2 compute dtype of the all-gathered parameters (``str``, e.g.
+            ``"torch.bfloat16"``).
+        reduce_dtype: FSDP2 gradient reduce-scatter dtype.
+    """
+
+    steps: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    upcast_params: int
+    sharded_modules: int
+    fp32_compute_modules: tuple[str, ...]
+    checkpointed_layers: int
+    reshard_after_forward: bool
+    param_dtype: str
+    reduce_dtype: str
+
+
+def parallelize_causal_lm(
+    causal_lm: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    activation_checkpoint: ActivationCheckpointMode,
+    convert_module: Callable[[nn.Module], nn.Module] | None = None,
+) -> tuple[nn.Module, ParallelizationRecord]:
+    """Converts, upcasts, shards and (optionally) recompute-wraps a causal LM, in that order.
+
+    Args:
+        causal_lm: The plain HF causal LM built on this rank's device with identical weights on
+            every rank (decoder layers at ``.model.layers``).
+        mesh: The 1-D ``("dp_shard",)`` mesh (:func:`build_dp_mesh`).
+        mp_policy: FSDP2 mixed precision policy (the precision plugin provides it).
+        reshard_after_forward: FSDP2 ``reshard_after_forward`` for every sharded module.
+        activation_checkpoint: ``"off"`` or ``"full"``.
+        convert_module: The precision plugin's module conversion, or ``None`` when the caller
+            already ran it. It must return a module with the same decoder-layer layout.
+
+    Returns:
+        ``(model, record)``: the model to use from now on (the object ``convert_module`` returned,
+        sharded in place) and what was done.
+
+    Raises:
+        TypeError: The model has no ``.model.layers``, is already sharded, or ``convert_module``
+            returned something that is not an ``nn.Module``.
+        ValueError: ``mesh`` is not 1-D, or ``activation_checkpoint`` is unknown.
+    """
+    if mesh.ndim != 1:
+        raise ValueError(f"expected a 1-D data-parallel mesh, got a mesh of shape {tuple(mesh.shape)}.")
+    if activation_checkpoint not in ("off", "full"):
+        raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
+    decoder_layers(causal_lm)
+    if is_parallelized(causal_lm):
+        raise TypeError(
+            f"{type(causal_lm).__name__} is already sharded with fully_shard; parallelize a plain "
+            f"model exactly once."
+        )
+    steps: list[str] = []
+    if convert_module is not None:
+        converted = convert_module(causal_lm)
+        if not isinstance(converted, nn.Module):
+            raise TypeError(
+                f"convert_module must return an nn.Module, got {type(converted).__name__}."
+            )
+        causal_lm = converted
+        steps.append("convert_module")
+
+    fp32_compute = modules_kept_in_fp32(causal_lm)
+    upcast = upcast_parameters_to_fp32(causal_lm)
+    steps.append("upcast_fp32")
+
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
+    modules = dict(causal_lm.named_modules())
+    for fqn in fp32_compute:
+        fully_shard(modules[fqn], mesh=mesh, mp_policy=fp32_policy, reshard_after_forward=reshard_after_forward)
+    layers = decoder_layers(causal_lm)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(causal_lm, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    steps.append("fully_shard")
+
+    wrapped = apply_activation_checkpointing(causal_lm, activation_checkpoint)
+    if wrapped:
+        steps.append("activation_checkpoint")
+
+    record = ParallelizationRecord(
+        steps=tuple(steps),
+        mesh_shape=tuple(mesh.shape),
+        upcast_params=upcast,
+        sharded_modules=len(fp32_compute) + len(layers) + 1,
+        fp32_compute_modules=fp32_compute,
+        checkpointed_layers=wrapped,
+        reshard_after_forward=reshard_after_forward,
+        param_dtype=str(mp_policy.param_dtype),
+        reduce_dtype=str(mp_policy.reduce_dtype),
+    )
+    return causal_lm, record
+
+
+def total_grad_norm(parameters: list[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+    """Total gradient norm over all ranks of FSDP2-sharded (DTensor) and plain gradients.
+
+    ``torch.nn.utils.get_total_norm`` on DTensor gradients returns a DTensor with a partial
+    (not yet reduced) norm placement; ``full_tensor()`` performs the cross-rank reduction, so the
+    value equals the norm of the unsharded gradient (up to FP32 summation order).
+
+    Args:
+        parameters: Parameters whose ``.grad`` is set (FP32 DTensor shards under FSDP2).
+        norm_type: The p of the p-norm (2.0 for the usual L2 norm).
+
+    Returns:
+        A 0-d FP32 tensor (plain, identical on every rank).
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, error_if_nonfinite=False)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return total

@@ -1,0 +1,275 @@
+"""Callbacks of the pretraining job: periodic DCP checkpoints and ``run_summary.json``.
+
+``PeriodicCheckpoint`` saves ``<dirpath>/step-000050/`` DCP folders (see
+:mod:`lp_lightning.distributed.checkpoint`) every ``every_n_steps`` optimizer steps and at the end
+of training. ``RunSummaryCallback`` times every optimizer step and writes the machine-readable
+summary whose keys are a public contract (later issues add keys, never remove them).
+
+``run_summary.json`` (written by rank 0 at the end of ``fit``):
+
+============================ =====================================================================
+key                          meaning
+============================ =====================================================================
+``precision``                ``--precision`` of the run (``"bf16"``)
+``backend``                  op backend of the low-precision GEMMs: ``"none"`` for ``bf16`` (no
+                             such GEMM runs); ``"emulated"`` / ``"npu"`` once issue 4 lands
+``world_size``               number of processes (= FSDP2 ``dp_shard`` mesh size)
+``steps``                    optimizer steps run by this ``fit`` call
+``tokens``                   tokens trained by this ``fit`` call, summed over ranks
+``loss_first``/``loss_last`` training loss of the first / last step of this call (mean over the
+                             step's micro-batches and ranks)
+``val_loss_last``            last logged ``val/loss`` (``null`` if validation never ran)
+``tokens_per_s``             tokens per step / ``step_time_s_median``
+``step_time_s_median``       median wall time of one optimizer step: from the first micro-batch's
+                             ``on_train_batch_start`` to the last micro-batch's
+                             ``on_train_batch_end`` (forward, backward, reduce-scatter, optimizer;
+                             not validation or checkpointing)
+``peak_memory_bytes``        max over ranks: CPU -> the process's peak RSS
+                             (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, includes Python and
+                             libraries); CUDA/NPU -> ``max_memory_allocated`` of the device
+``peak_memory_source``       ``"ru_maxrss"`` or ``"max_memory_allocated"``
+``checkpoints``              checkpoint folders written by this call, in order
+``versions``                 ``torch``, ``lightning``, ``transformers``, ``lp_lightning``, ``python``
+``global_step``              optimizer steps of the model after this call (includes resumed ones)
+``first_step``               global step index of the first step of this call (0 unless resumed)
+``losses`` / ``grad_norms``  per-step training loss / pre-clip gradient norm of this call
+``step_times_s``             per-step wall times (seconds)
+============================ =====================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, Checkpoint
+from typing_extensions import override
+
+__all__ = ["PeriodicCheckpoint", "RunSummaryCallback", "checkpoint_dirname"]
+
+
+def checkpoint_dirname(global_step: int) -> str:
+    """Folder name of the checkpoint after ``global_step`` optimizer steps: ``step-000050``."""
+    return f"step-{global_step:06d}"
+
+
+class PeriodicCheckpoint(Checkpoint):
+    """Saves a DCP checkpoint every ``every_n_steps`` optimizer steps and at the end of training.
+
+    It is a Lightning ``Checkpoint`` callback, so the Trainer adds no default ``ModelCheckpoint``
+    next to it. Saving goes through ``trainer.save_checkpoint`` and hence through
+    :meth:`~lp_lightning.lightning.strategy.FSDP2Strategy.save_checkpoint` (HF-keyed DCP folder).
+
+    Args:
+        every_n_steps: Save after every ``every_n_steps``-th optimizer step; ``0`` saves only at
+            the end.
+        dirpath: Parent folder of the checkpoints; ``null`` = ``<default_root_dir>/checkpoints``.
+        save_last: Also save after the last step of training (when it is not already saved).
+
+    Attributes:
+        saved: Checkpoint folders written by this callback during the current ``fit``.
+    """
+
+    def __init__(self, every_n_steps: int = 50, dirpath: str | None = None, save_last: bool = True) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"checkpoint.every_n_steps must be >= 0, got {every_n_steps}.")
+        self.every_n_steps = every_n_steps
+        self.dirpath = dirpath
+        self.save_last = save_last
+        self.saved: list[str] = []
+        self._last_saved_step: int | None = None
+
+    def _dir(self, trainer: pl.Trainer) -> Path:
+        return Path(self.dirpath) if self.dirpath is not None else Path(trainer.default_root_dir) / "checkpoints"
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        path = self._dir(trainer) / checkpoint_dirname(trainer.global_step)
+        trainer.save_checkpoint(path, weights_only=False)
+        self._last_saved_step = trainer.global_step
+        self.saved.append(str(path))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.saved = []
+        self._last_saved_step = trainer.global_step  # the restored step is already on disk
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_saved_step:
+            return  # inside gradient accumulation, or already saved
+        periodic = self.every_n_steps > 0 and step % self.every_n_steps == 0
+        last = self.save_last and trainer.max_steps is not None and step >= trainer.max_steps
+        if periodic or last:
+            self._save(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_last and trainer.global_step != self._last_saved_step:
+            self._save(trainer)
+
+
+def _peak_memory_bytes(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "max_memory_allocated"
+    if device.type == "npu":
+        return int(torch.npu.max_memory_allocated(device)), "max_memory_allocated"  # type: ignore[attr-defined]
+    # Linux reports ru_maxrss in KiB (macOS in bytes).
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "ru_maxrss"
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import transformers
+
+    import lp_lightning
+
+    return {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformers": transformers.__version__,
+        "lp_lightning": lp_lightning.__version__,
+        "python": platform.python_version(),
+    }
+
+
+class RunSummaryCallback(Callback):
+    """Times optimizer steps, logs ``tokens_per_s`` and writes ``run_summary.json`` (rank 0).
+
+    Reads the step loss and gradient norm from the LightningModule's ``last_step_loss`` /
+    ``last_grad_norm`` (:class:`~lp_lightning.lightning.module.DeepSeekV3LM`) and the precision
+    and backend from the precision plugin. The key table is in the module docstring.
+
+    Args:
+        path: Output file; ``null`` = ``<default_root_dir>/run_summary.json``.
+        precision: The run's ``--precision`` value (the CLI fills it in); ``null`` = the precision
+            plugin's ``mode``.
+
+    Attributes:
+        summary: The dict written last (``None`` before the end of ``fit``).
+    """
+
+    def __init__(self, path: str | None = None, precision: str | None = None) -> None:
+        self.path = path
+        self.precision = precision
+        self.summary: dict[str, Any] | None = None
+        self._reset(0)
+
+    def _reset(self, first_step: int) -> None:
+        self._first_step = first_step
+        self._last_step = first_step
+        self._t0: float | None = None
+        self._losses: list[float] = []
+        self._grad_norms: list[float | None] = []
+        self._step_times: list[float] = []
+        self._local_tokens = 0
+        self._peak: tuple[int, str] = (0, "ru_maxrss")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset(trainer.global_step)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._local_tokens += int(batch["input_ids"].numel())
+        if trainer.global_step == self._last_step:
+            return  # gradient accumulation: the optimizer step is not complete yet
+        assert self._t0 is not None
+        elapsed = time.perf_counter() - self._t0
+        self._t0 = None
+        self._last_step = trainer.global_step
+        loss = getattr(pl_module, "last_step_loss", None)
+        if loss is None:
+            raise TypeError(
+                f"RunSummaryCallback needs a LightningModule that sets `last_step_loss` after each "
+                f"optimizer step (DeepSeekV3LM); {type(pl_module).__name__} does not."
+            )
+        self._losses.append(float(loss))
+        grad_norm = getattr(pl_module, "last_grad_norm", None)
+        self._grad_norms.append(None if grad_norm is None else float(grad_norm))
+        self._step_times.append(elapsed)
+        tokens_per_step = self._local_tokens * trainer.world_size / len(self._step_times)
+        pl_module.log("tokens_per_s", tokens_per_step / elapsed, on_step=True, on_epoch=False)
+
+    def _reduce(self, trainer: pl.Trainer, value: int, op: dist.ReduceOp) -> int:
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
+        dist.all_reduce(tensor, op=op)
+        return int(tensor.item())
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Collectives run here on every rank; the file is written in on_fit_end, after the
+        # checkpoint callbacks' on_train_end saved the last checkpoint.
+        peak, source = _peak_memory_bytes(trainer.strategy.root_device)
+        self._peak = (self._reduce(trainer, peak, dist.ReduceOp.MAX), source)
+        self._local_tokens = self._reduce(trainer, self._local_tokens, dist.ReduceOp.SUM)
+
+    def _precision_and_backend(self, trainer: pl.Trainer) -> tuple[str, str]:
+        plugin = trainer.precision_plugin
+        precision = self.precision or getattr(plugin, "mode", None) or str(trainer.precision)
+        backend = getattr(plugin, "backend", None) or "none"
+        return precision, backend
+
+    def build_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The summary dict of the finished ``fit`` call (see the module docstring)."""
+        precision, backend = self._precision_and_backend(trainer)
+        steps = len(self._losses)
+        median = statistics.median(self._step_times) if self._step_times else None
+        tokens = self._local_tokens
+        val_loss = trainer.callback_metrics.get("val/loss")
+        checkpoints: list[str] = []
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, PeriodicCheckpoint):
+                checkpoints.extend(callback.saved)
+        return {
+            "precision": precision,
+            "backend": backend,
+            "world_size": trainer.world_size,
+            "steps": steps,
+            "tokens": tokens,
+            "loss_first": self._losses[0] if steps else None,
+            "loss_last": self._losses[-1] if steps else None,
+            "val_loss_last": None if val_loss is None else float(val_loss),
+            "tokens_per_s": (tokens / steps / median) if steps and median else None,
+            "step_time_s_median": median,
+            "peak_memory_bytes": self._peak[0],
+            "peak_memory_source": self._peak[1],
+            "checkpoints": checkpoints,
+            "versions": _versions(),
+            "global_step": trainer.global_step,
+            "first_step": self._first_step,
+            "losses": list(self._losses),
+            "grad_norms": list(self._grad_norms),
+            "step_times_s": list(self._step_times),
+        }
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary = self.build_summary(trainer)
+        if trainer.is_global_zero:
+            path = Path(self.path) if self.path is not None else Path(trainer.default_root_dir) / "run_summary.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.summary, indent=2) + "\n")

@@ -1,0 +1,470 @@
+"""FSDP2 strategies: Trainer ``FSDP2Strategy`` and its Fabric twin ``FSDP2FabricStrategy``.
+
+Both subclass Lightning's ``ModelParallelStrategy`` (2.6) and own the parallelisation of the
+Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``configure_model``:
+
+* process group: gloo on CPU, nccl on CUDA, hccl on NPU (one process = a 1-rank group, so 1- and
+  N-process runs share the code path);
+* a 1-D ``("dp_shard",)`` device mesh of ``fsdp_config.dp_shard_size`` ranks (= world size);
+* :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of seed §12.1: the
+  precision plugin's ``convert_module`` -> FP32 upcast (master shards) -> ``fully_shard`` per
+  decoder layer and on the root -> activation checkpointing -> (then Lightning creates the
+  optimizer). Lightning's parent ``setup`` would call ``convert_module`` *after* the model is
+  built and sharded (Lightning #19989); :meth:`FSDP2Strategy.setup` replaces it so the order is
+  explicit (tested in ``tests/lightning/test_strategy.py``);
+* DCP checkpoints whose model keys are the HF names and whose optimizer view is keyed by the
+  same names (:mod:`lp_lightning.distributed.checkpoint`).
+
+The LightningModule must hold the HF causal LM at ``.model`` (``.model.model.layers`` are the
+decoder layers) and may declare ``activation_checkpoint`` (``"off"``/``"full"``; absent means
+``"off"``). The precision plugin must be a
+:class:`~lp_lightning.lightning.precision.LowPrecisionFabricPlugin` (Trainer:
+:class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`) passed as an instance.
+
+Trainer::
+
+    Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(FSDP2Config()),
+            plugins=[LowPrecisionPlugin("bf16")], use_distributed_sampler=False)
+
+Fabric (set the model up first, then create the optimizer over the sharded Parameters)::
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDP2FabricStrategy(),
+                    plugins=[LowPrecisionFabricPlugin("bf16")])
+    fabric.launch()
+    model = fabric.setup_module(from_hf_config("dsv3-tiny", seed=0))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lp_lightning.config import ActivationCheckpointMode, FSDP2Config
+from lp_lightning.distributed.checkpoint import (
+    load_dcp_checkpoint,
+    model_state_dict,
+    optimizer_state_dict,
+    save_dcp_checkpoint,
+)
+from lp_lightning.distributed.fsdp import (
+    ParallelizationRecord,
+    build_dp_mesh,
+    is_parallelized,
+    parallelize_causal_lm,
+    process_group_backend_for,
+    resolve_causal_lm,
+)
+from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
+
+__all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
+
+OPTIMIZER_CHECKPOINT_KEY = "optimizer"
+"""DCP key prefix of the Trainer's optimizer view (``optimizer.state.<hf fqn>.exp_avg``)."""
+
+
+def _require_plugin(strategy_name: str, plugin: object) -> LowPrecisionFabricPlugin:
+    if not isinstance(plugin, LowPrecisionFabricPlugin):
+        raise TypeError(
+            f"{strategy_name} needs the lp-lightning precision plugin, got "
+            f"{type(plugin).__name__}. Pass it as an instance: Trainer(..., "
+            f"plugins=[LowPrecisionPlugin('bf16')]) or Fabric(..., "
+            f"plugins=[LowPrecisionFabricPlugin('bf16')]), and do not set `precision=`."
+        )
+    return plugin
+
+
+def _check_materialized(module: nn.Module) -> None:
+    meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"{len(meta)} parameter(s) are still on the meta device (first: {meta[0]!r}); build the "
+            f"model materialised (from_hf_config(..., device='cpu')) in configure_model."
+        )
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Trainer strategy: FSDP2 over a 1-D data-parallel mesh, HF-keyed DCP checkpoints.
+
+    Args:
+        fsdp_config: Sharding configuration (seed §4.3); ``None`` means ``FSDP2Config()``.
+        process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
+        timeout: Process-group timeout.
+    """
+
+    strategy_name = "lp_fsdp2"
+
+    def __init__(
+        self,
+        fsdp_config: FSDP2Config | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if fsdp_config is not None and not isinstance(fsdp_config, FSDP2Config):
+            raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
+        self.fsdp_config = fsdp_config or FSDP2Config()
+        self.parallelization: ParallelizationRecord | None = None
+        """What the last :meth:`setup` did (``None`` before setup)."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers the alias ``"lp_fsdp2"`` (default config) in Lightning's Trainer registry."""
+        strategy_registry.register(
+            cls.strategy_name, cls, description="lp-lightning FSDP2 (1-D dp_shard mesh, HF-keyed DCP)"
+        )
+
+    @property
+    def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
+        """The connected precision plugin (raises ``TypeError`` if it is not lp-lightning's)."""
+        return _require_plugin(type(self).__name__, self.precision_plugin)
+
+    @override
+    def setup_environment(self) -> None:
+        """Checks the plugin, starts the process group and builds the ``("dp_shard",)`` mesh.
+
+        Raises:
+            TypeError: The precision plugin is not :class:`LowPrecisionPlugin`.
+            ValueError: ``fsdp_config.dp_shard_size`` differs from the world size.
+        """
+        self.low_precision_plugin  # noqa: B018 - fail before any process group exists
+        self._setup_distributed()
+        dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)
+        self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or process_group_backend_for(self.root_device.type)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.device_mesh.size(), "rank": self.device_mesh.get_local_rank()}
+
+    def _causal_lm(self) -> nn.Module:
+        assert self.lightning_module is not None
+        return resolve_causal_lm(self.lightning_module)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Parallelises the model that ``configure_model`` built, then sets up the optimizer.
+
+        Order (seed §12.1): ``precision_plugin.convert_module`` -> FP32 upcast -> ``fully_shard``
+        per decoder layer and root -> activation checkpointing -> ``configure_optimizers``. A
+        model that is already sharded (a second ``fit``/``validate`` on the same Trainer) is kept
+        as it is.
+
+        Raises:
+            TypeError: ``configure_model`` is not overridden, or the LightningModule does not
+                hold a HF causal LM at ``.model``.
+            ValueError: The model still has meta parameters.
+        """
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        lm = self.lightning_module
+        assert lm is not None
+        if not is_overridden("configure_model", lm):
+            raise TypeError(
+                f"{type(self).__name__} needs `configure_model()` in the LightningModule to build "
+                f"the plain (unsharded) model; the strategy shards it."
+            )
+        plugin = self.low_precision_plugin
+        causal_lm = self._causal_lm()
+        if not is_parallelized(causal_lm):
+            _check_materialized(causal_lm)
+            parallel_lm, record = parallelize_causal_lm(
+                causal_lm,
+                self.device_mesh,
+                mp_policy=plugin.fsdp_mixed_precision_policy(),
+                reshard_after_forward=self.fsdp_config.reshard_after_forward,
+                activation_checkpoint=getattr(lm, "activation_checkpoint", "off"),
+                convert_module=plugin.convert_module,
+            )
+            if parallel_lm is not causal_lm:
+                lm.model = parallel_lm
+            self.parallelization = record
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded model view keyed by HF names (no LightningModule attribute prefix)."""
+        return model_state_dict(self._causal_lm())
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Sharded optimizer view keyed by HF names (FP32 ``exp_avg``/``exp_avg_sq``, ``step``)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return optimizer_state_dict(self._causal_lm(), optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Writes a DCP folder: HF-keyed model view, ``optimizer.*`` view, ``meta.pt`` for the rest.
+
+        Raises:
+            TypeError: ``storage_options`` is given (DCP does not use Lightning's CheckpointIO).
+            ValueError: The Trainer holds more than one optimizer.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options.")
+        path = Path(self.broadcast(filepath))
+        model_state = checkpoint.pop("state_dict")
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        if len(optimizer_states) > 1:
+            raise ValueError(
+                f"{type(self).__name__} checkpoints hold one optimizer; got {len(optimizer_states)}."
+            )
+        save_dcp_checkpoint(
+            path,
+            model_state=model_state,
+            optimizer_states={OPTIMIZER_CHECKPOINT_KEY: optimizer_states[0]} if optimizer_states else {},
+            metadata=checkpoint,
+            rank=self.global_rank,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restores model then optimizer shards from a DCP folder; returns ``meta.pt`` for Lightning.
+
+        Lightning restores loops, LR schedulers, callbacks, datamodule and plugin state from the
+        returned dict (``lightning_restore_optimizer`` is ``False``: the optimizer is restored here).
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        optimizers = self.optimizers
+        if len(optimizers) > 1:
+            raise ValueError(f"{type(self).__name__} checkpoints hold one optimizer; got {len(optimizers)}.")
+        assert self.lightning_module is not None
+        return load_dcp_checkpoint(
+            path,
+            model=self._causal_lm(),
+            optimizers={OPTIMIZER_CHECKPOINT_KEY: optimizers[0]} if optimizers else {},
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+
+class FSDP2FabricStrategy(FabricModelParallelStrategy):
+    """Fabric twin of :class:`FSDP2Strategy`.
+
+    Fabric runs the plugin's ``convert_module`` itself, before ``setup_module`` (the right order),
+    so ``setup_module`` upcasts, shards and wraps. Checkpoints (``fabric.save(path, state)``) put
+    the single module's HF-keyed view at the top level, each optimizer under its state key and
+    everything else in ``meta.pt``.
+
+    Args:
+        fsdp_config: Sharding configuration; ``None`` means ``FSDP2Config()``.
+        activation_checkpoint: ``"off"`` or ``"full"`` (per decoder layer).
+        process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
+        timeout: Process-group timeout.
+    """
+
+    strategy_name = "lp_fsdp2"
+
+    def __init__(
+        self,
+        fsdp_config: FSDP2Config | None = None,
+        activation_checkpoint: ActivationCheckpointMode = "off",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if fsdp_config is not None and not isinstance(fsdp_config, FSDP2Config):
+            raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
+        if activation_checkpoint not in ("off", "full"):
+            raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
+        self.fsdp_config = fsdp_config or FSDP2Config()
+        self.activation_checkpoint = activation_checkpoint
+        self.parallelization: ParallelizationRecord | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers the alias ``"lp_fsdp2"`` (default config) in Lightning's Fabric registry."""
+        strategy_registry.register(
+            cls.strategy_name, cls, description="lp-lightning FSDP2 (1-D dp_shard mesh, HF-keyed DCP)"
+        )
+
+    @property
+    def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
+        """The connected precision plugin (raises ``TypeError`` if it is not lp-lightning's)."""
+        return _require_plugin(type(self).__name__, self.precision)
+
+    @override
+    def setup_environment(self) -> None:
+        """Checks the plugin, starts the process group and builds the ``("dp_shard",)`` mesh."""
+        self.low_precision_plugin  # noqa: B018 - fail before any process group exists
+        FabricParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)
+        self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or process_group_backend_for(self.root_device.type)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.device_mesh.size(), "rank": self.device_mesh.get_local_rank()}
+
+    def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        plugin = self.low_precision_plugin
+        causal_lm = resolve_causal_lm(module)
+        _check_materialized(causal_lm)
+        parallel_lm, record = parallelize_causal_lm(
+            causal_lm,
+            mesh,
+            mp_policy=plugin.fsdp_mixed_precision_policy(),
+            reshard_after_forward=self.fsdp_config.reshard_after_forward,
+            activation_checkpoint=self.activation_checkpoint,
+            convert_module=None,  # Fabric already ran precision.convert_module
+        )
+        assert parallel_lm is causal_lm
+        self.parallelization = record
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """Refused: ``fully_shard`` replaces the Parameters an optimizer made earlier would hold.
+
+        Raises:
+            ValueError: Always, with the order to use instead.
+        """
+        raise ValueError(
+            f"{type(self).__name__} shards the model's Parameters, so an optimizer created before "
+            f"`fabric.setup` would update stale tensors. Call `model = fabric.setup_module(model)`, "
+            f"then create the optimizer over `model.parameters()`, then "
+            f"`optimizer = fabric.setup_optimizers(optimizer)`."
+        )
+
+    @staticmethod
+    def _split_state(state: dict[str, Any]) -> tuple[str, nn.Module, dict[str, Optimizer], dict[str, Any]]:
+        modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+        if len(modules) != 1:
+            raise ValueError(
+                f"a checkpoint state must hold exactly one model (nn.Module); got {sorted(modules)}."
+            )
+        (module_key, module), = modules.items()
+        optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        rest = {k: v for k, v in state.items() if k not in modules and k not in optimizers}
+        return module_key, module, optimizers, rest
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Writes a DCP folder (see the class docstring).
+
+        Raises:
+            TypeError: ``storage_options`` or ``filter`` is given.
+            ValueError: ``state`` does not hold exactly one module.
+        """
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter.")
+        path = Path(self.broadcast(path))
+        _, module, optimizers, rest = self._split_state(state)
+        causal_lm = resolve_causal_lm(module)
+        metadata = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in rest.items()}
+        save_dcp_checkpoint(
+            path,
+            model_state=model_state_dict(causal_lm),
+            optimizer_states={k: optimizer_state_dict(causal_lm, o) for k, o in optimizers.items()},
+            metadata=metadata,
+            rank=self.global_rank,
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restores the module, the optimizers and the requested metadata entries in place.
+
+        Returns:
+            The metadata entries of ``meta.pt`` that ``state`` did not ask for.
+
+        Raises:
+            ValueError: ``state`` is not a dict holding exactly one module.
+            KeyError: ``strict`` and a requested metadata entry is missing from the checkpoint.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}}; got "
+                f"{type(state).__name__}."
+            )
+        path = Path(self.broadcast(path))
+        _, module, optimizers, rest = self._split_state(state)
+        metadata = load_dcp_checkpoint(
+            path, model=resolve_causal_lm(module), optimizers=optimizers, strict=strict,
+            weights_only=weights_only,
+        )
+        missing = [k for k in rest if k not in metadata]
+        if strict and missing:
+            raise KeyError(f"checkpoint {str(path)!r} has no entries {missing}; pass strict=False to skip them.")
+        for key, obj in rest.items():
+            if key not in metadata:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(metadata.pop(key))
+            else:
+                state[key] = metadata.pop(key)
+        return metadata
+
+
+def _register_aliases() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    if FSDP2Strategy.strategy_name not in StrategyRegistry:
+        FSDP2Strategy.register_strategies(StrategyRegistry)
+    if FSDP2FabricStrategy.strategy_name not in FABRIC_REGISTRY:
+        FSDP2FabricStrategy.register_strategies(FABRIC_REGISTRY)
+
+
+_register_aliases()
