@@ -1,0 +1,408 @@
+"""The one low-precision GEMM interface, its contract checks and backend selection (seed §8, §13.4).
+
+``low_precision_matmul(left, right, layout=..., output_dtype=...)`` computes ``op(left) @ op(right)``
+and ``low_precision_grouped_matmul(left, right, group_list, ...)`` the same per group, where
+``layout`` is two letters, one per operand: ``N`` uses the operand's logical data as is, ``T`` its
+transpose. Operands are ``QuantizedOperand``s of one format; the GEMM accumulates in FP32 and
+rounds once to ``output_dtype``. There is no high-precision path: an unsupported case raises.
+
+The contract (MXFP8: both operands carry their 32-blocks along the contraction dim, so the
+orientation is fixed by the layout and checked; HiF8: orientation is metadata and not checked):
+
+=============  ======  =======================  =========================  ===========
+GEMM           layout  left                     right                      result
+=============  ======  =======================  =========================  ===========
+dense fprop    NT      x ``[M, K]`` row         W ``[N, K]`` row           ``[M, N]``
+dense dgrad    NN      dy ``[M, N]`` row        W ``[N, K]`` col           ``[M, K]``
+dense wgrad    TN      dy ``[M, N]`` col        x ``[M, K]`` col           ``[N, K]``
+grouped fprop  NN      x ``[T, K]`` row         W ``[E, K, N]`` col        ``[T, N]``
+grouped dgrad  NT      dy ``[T, N]`` row        W ``[E, K, N]`` row        ``[T, K]``
+grouped wgrad  TN      x ``[T, K]`` col-groups  dy ``[T, N]`` col-groups   ``[E, K, N]``
+=============  ======  =======================  =========================  ===========
+
+Rule behind it: a left ``N`` contracts the left's last dim (MX row), a left ``T`` its dim −2 (col);
+a right ``N`` contracts the right's dim −2 (col), a right ``T`` its last dim (row). Grouped weights
+are in the GMM view ``[E, K, N]`` (torch_npu / ``torch._grouped_mm``); the HF parameter ``[E, N, K]``
+is its transpose. Tokens are sorted by group; ``group_list`` holds the ``int64 [E]`` row counts
+(torch_npu ``group_list_type=1``), summing to ``T``. An empty group contributes no rows (fprop,
+dgrad) and an exactly zero ``[K, N]`` slice (wgrad). This is seed §8's orientation table: forward
+weight row for Dense / col for Grouped, dgrad weight col for Dense / row for Grouped.
+
+Backends: ``"emulated"`` (exact decode + FP32 matmul, any torch device) and ``"npu"`` (torch_npu
+quant MM/GMM). ``"auto"`` (the default) picks ``npu`` for operands on an ``npu`` device when
+``check_npu_capability`` passes, else ``emulated``. Select with ``set_backend``, the ``use_backend``
+context manager, or ``backend=`` per call (that order of precedence, innermost first).
+
+Tensor-name legend: ``M`` rows, ``K`` contraction, ``N`` output columns, ``T`` tokens, ``E``
+groups (experts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Literal, Protocol, get_args
+
+import torch
+
+from lp_lightning.formats.operand import LowPrecisionFormat, QuantizedOperand
+from lp_lightning.ops import trace
+from lp_lightning.ops.capability import check_npu_capability, npu_capability_error
+
+__all__ = [
+    "BackendName",
+    "GemmBackend",
+    "Layout",
+    "get_backend",
+    "low_precision_grouped_matmul",
+    "low_precision_matmul",
+    "resolve_backend",
+    "set_backend",
+    "use_backend",
+]
+
+Layout = Literal["NN", "NT", "TN"]
+BackendName = Literal["auto", "emulated", "npu"]
+
+_LAYOUTS: tuple[str, ...] = get_args(Layout)
+_BACKENDS: tuple[str, ...] = get_args(BackendName)
+_OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GemmBackend(Protocol):
+    """What a backend implements. Inputs arrive validated against the contract above."""
+
+    name: str
+
+    def matmul(
+        self, left: QuantizedOperand, right: QuantizedOperand, layout: Layout, output_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Dense ``op(left) @ op(right)``."""
+        ...
+
+    def grouped_matmul(
+        self,
+        left: QuantizedOperand,
+        right: QuantizedOperand,
+        group_list: torch.Tensor,
+        layout: Layout,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Grouped GEMM (see the table above)."""
+        ...
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend selection.
+
+_global_backend: BackendName = "auto"
+_scoped_backend: contextvars.ContextVar[BackendName | None] = contextvars.ContextVar(
+    "lp_lightning_gemm_backend", default=None
+)
+
+
+def _parse_backend(name: object, who: str) -> BackendName:
+    if name not in _BACKENDS:
+        raise ValueError(f"{who}: backend={name!r}; legal values: 'auto', 'emulated', 'npu'.")
+    return name  # type: ignore[return-value]
+
+
+def set_backend(name: BackendName) -> None:
+    """Select the GEMM/quantize backend for this process (default ``"auto"``).
+
+    Args:
+        name: ``"auto"``, ``"emulated"`` or ``"npu"``. Selecting ``"npu"`` does not import
+            torch_npu yet; the first call with a format runs ``check_npu_capability`` for it.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    global _global_backend
+    _global_backend = _parse_backend(name, "set_backend")
+
+
+def get_backend() -> BackendName:
+    """The backend name in force here: the innermost ``use_backend``, else ``set_backend``'s."""
+    scoped = _scoped_backend.get()
+    return scoped if scoped is not None else _global_backend
+
+
+@contextlib.contextmanager
+def use_backend(name: BackendName) -> Iterator[BackendName]:
+    """Select a backend for the calls made inside the block (context-local; nests).
+
+    Args:
+        name: ``"auto"``, ``"emulated"`` or ``"npu"``.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    token = _scoped_backend.set(_parse_backend(name, "use_backend"))
+    try:
+        yield name
+    finally:
+        _scoped_backend.reset(token)
+
+
+def resolve_backend(
+    format: LowPrecisionFormat | str, device: torch.device | str, backend: BackendName | None = None
+) -> Literal["emulated", "npu"]:
+    """The concrete backend a call with ``format`` on ``device`` uses.
+
+    Args:
+        format: The operands' format.
+        device: The operands' device (a ``torch.device`` or a string such as ``"npu:0"``).
+        backend: Explicit choice for this call; None uses ``get_backend()``.
+
+    Returns:
+        ``"emulated"`` or ``"npu"``. ``"auto"`` resolves to ``"npu"`` only for an ``npu`` device
+        whose capability check passes (torch_npu is imported only in that case).
+
+    Raises:
+        ValueError: for an unknown backend name.
+        LowPrecisionUnsupportedError: if ``"npu"`` is selected explicitly and the gate fails.
+    """
+    name = get_backend() if backend is None else _parse_backend(backend, "backend")
+    if name == "emulated":
+        return "emulated"
+    if name == "npu":
+        check_npu_capability(format)
+        return "npu"
+    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if device_type == "npu" and npu_capability_error(format) is None:
+        return "npu"
+    return "emulated"
+
+
+def _backend_impl(name: Literal["emulated", "npu"]) -> GemmBackend:
+    if name == "npu":
+        from lp_lightning.ops import npu
+
+        return npu.BACKEND
+    from lp_lightning.ops import emulated
+
+    return emulated.BACKEND
+
+
+# ------------------------------------------------------------------------------------------------
+# Contract checks.
+
+
+def _required_orientations(layout: str) -> tuple[str, str]:
+    """MX orientation each operand needs so that its blocks run along the contraction dim."""
+    left = "row" if layout[0] == "N" else "col"
+    right = "col" if layout[1] == "N" else "row"
+    return left, right
+
+
+def _check_common(
+    who: str, left: object, right: object, layout: object, output_dtype: object
+) -> LowPrecisionFormat:
+    for name, operand in (("left", left), ("right", right)):
+        if not isinstance(operand, QuantizedOperand):
+            raise TypeError(
+                f"{who}: {name} must be a QuantizedOperand (from a Quantizer or a weight's select()), "
+                f"got {type(operand).__name__}; high-precision tensors are never multiplied here."
+            )
+    assert isinstance(left, QuantizedOperand) and isinstance(right, QuantizedOperand)
+    if layout not in _LAYOUTS:
+        raise ValueError(f"{who}: layout={layout!r}; legal values: 'NN', 'NT', 'TN'.")
+    if output_dtype not in _OUTPUT_DTYPES:
+        raise ValueError(
+            f"{who}: output_dtype={output_dtype!r}; legal values: torch.bfloat16, torch.float16, torch.float32."
+        )
+    if left.format is not right.format:
+        raise ValueError(
+            f"{who}: left is {left.format.value} but right is {right.format.value}; "
+            "both operands must share one format."
+        )
+    if left.device != right.device:
+        raise ValueError(f"{who}: left is on {left.device} but right is on {right.device}; move them to one device.")
+    if left.format is LowPrecisionFormat.MXFP8_E4M3:
+        need_left, need_right = _required_orientations(layout)  # type: ignore[arg-type]
+        for name, operand, need in (("left", left, need_left), ("right", right, need_right)):
+            if operand.orientation != need:
+                raise ValueError(
+                    f"{who}: layout {layout!r} contracts the {name} operand along dim "
+                    f"{-1 if need == 'row' else -2}, so an MXFP8 {name} operand must be {need!r} (32-blocks "
+                    f"along that dim); got {operand.orientation!r} with shape {tuple(operand.shape)}. "
+                    f"Quantize it with orientation={need!r}."
+                )
+    return left.format
+
+
+def _check_role(who: str, grouped: bool, layout: str) -> trace.GemmRole | None:
+    role = trace.current_gemm_role()
+    if role is not None and (role.grouped != grouped or role.layout != layout):
+        raise ValueError(
+            f"{who}: the declared GEMM role {role.value!r} needs a "
+            f"{'grouped' if role.grouped else 'dense'} GEMM with layout {role.layout!r}; "
+            f"got a {'grouped' if grouped else 'dense'} GEMM with layout {layout!r}."
+        )
+    return role
+
+
+def _check_result(who: str, backend: str, out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """A backend (torch_npu included) must return exactly the contracted shape and dtype."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise RuntimeError(
+            f"{who}: the {backend!r} backend returned {tuple(out.shape)} {out.dtype}, but the contract is "
+            f"{tuple(shape)} {dtype}; refusing to pass on a mis-shaped GEMM result."
+        )
+
+
+def _oriented(shape: torch.Size, transpose: bool) -> tuple[int, int]:
+    rows, cols = shape[-2], shape[-1]
+    return (cols, rows) if transpose else (rows, cols)
+
+
+def low_precision_matmul(
+    left: QuantizedOperand,
+    right: QuantizedOperand,
+    *,
+    layout: Layout,
+    output_dtype: torch.dtype,
+    backend: BackendName | None = None,
+) -> torch.Tensor:
+    """Dense ``op(left) @ op(right)`` from quantized operands, FP32 accumulation, one rounding.
+
+    Args:
+        left: 2-D ``QuantizedOperand`` (``x_MK`` for fprop, ``dy_MN`` for dgrad/wgrad).
+        right: 2-D ``QuantizedOperand`` of the same format (``w_NK`` or ``x_MK``).
+        layout: ``"NT"`` (fprop ``x·Wᵀ``), ``"NN"`` (dgrad ``dy·W``) or ``"TN"`` (wgrad ``dyᵀ·x``);
+            MXFP8 orientations must follow the module's table.
+        output_dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+        backend: Optional per-call backend (``"auto"``, ``"emulated"``, ``"npu"``).
+
+    Returns:
+        ``[rows of op(left), cols of op(right)]`` tensor of ``output_dtype`` on the operands' device.
+
+    Raises:
+        TypeError: if an operand is not a ``QuantizedOperand``.
+        ValueError: for an illegal layout/output dtype, mixed formats or devices, an MXFP8
+            orientation that does not match the layout, non-2-D operands, mismatched contraction
+            dims, or a declared ``gemm_role`` that disagrees with the call.
+        LowPrecisionUnsupportedError: if the ``npu`` backend is selected and cannot run here.
+    """
+    who = "low_precision_matmul"
+    fmt = _check_common(who, left, right, layout, output_dtype)
+    if left.data.dim() != 2 or right.data.dim() != 2:
+        raise ValueError(
+            f"{who}: dense operands must be 2-D, got left {tuple(left.shape)} and right {tuple(right.shape)}; "
+            "flatten leading dims of activations to [M, K] first, use low_precision_grouped_matmul for [E, K, N]."
+        )
+    m, k_left = _oriented(left.shape, layout[0] == "T")
+    k_right, n = _oriented(right.shape, layout[1] == "T")
+    if k_left != k_right:
+        raise ValueError(
+            f"{who}: layout {layout!r} contracts left {tuple(left.shape)} over {k_left} but right "
+            f"{tuple(right.shape)} over {k_right}; the contraction dims must match."
+        )
+    role = _check_role(who, grouped=False, layout=layout)
+    name = resolve_backend(fmt, left.device, backend)
+    out = _backend_impl(name).matmul(left, right, layout, output_dtype)
+    _check_result(who, name, out, (m, n), output_dtype)
+    trace.emit(
+        op=who, backend=name, format=fmt.value, layout=layout, left_shape=left.shape, right_shape=right.shape,
+        output=out, num_groups=None, gemm_role=role,
+    )
+    return out
+
+
+def low_precision_grouped_matmul(
+    left: QuantizedOperand,
+    right: QuantizedOperand,
+    group_list: torch.Tensor,
+    *,
+    layout: Layout,
+    output_dtype: torch.dtype,
+    backend: BackendName | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM over token-sorted rows (MoE experts), FP32 accumulation, one rounding.
+
+    Args:
+        left: 2-D ``QuantizedOperand``: ``x_TK`` (fprop, wgrad) or ``dy_TN`` (dgrad).
+        right: ``QuantizedOperand`` of the same format: ``w_EKN`` (3-D, fprop/dgrad; HiF8 scale
+            ``[E]``) or ``dy_TN`` (2-D, wgrad).
+        group_list: ``int64 [E]`` rows per group, in token order, summing to ``T`` (torch_npu
+            ``group_list_type=1``); zeros allowed.
+        layout: ``"NN"`` (fprop ``x_g·W_g``), ``"NT"`` (dgrad ``dy_g·W_gᵀ``) or ``"TN"`` (wgrad
+            ``x_gᵀ·dy_g``). For MXFP8 wgrad both operands must be col operands quantized with this
+            ``group_list`` (blocks stop at group boundaries).
+        output_dtype: ``torch.bfloat16``, ``torch.float16`` or ``torch.float32``.
+        backend: Optional per-call backend (``"auto"``, ``"emulated"``, ``"npu"``).
+
+    Returns:
+        ``[T, N]`` (fprop), ``[T, K]`` (dgrad) or ``[E, K, N]`` (wgrad) of ``output_dtype``.
+
+    Raises:
+        TypeError: for a non-operand or a ``group_list`` that is not a 1-D int64 tensor.
+        ValueError: as ``low_precision_matmul``, plus: operand ranks that do not fit the layout,
+            ``len(group_list) != E``, an MXFP8 wgrad operand without (or with another)
+            ``group_list``; group counts that are negative or do not sum to ``T`` (checked where
+            the backend reads the counts).
+        LowPrecisionUnsupportedError: if the ``npu`` backend is selected and cannot run here.
+    """
+    who = "low_precision_grouped_matmul"
+    fmt = _check_common(who, left, right, layout, output_dtype)
+    if not isinstance(group_list, torch.Tensor) or group_list.dtype != torch.int64 or group_list.dim() != 1:
+        got = (
+            f"{group_list.dtype} {tuple(group_list.shape)}"
+            if isinstance(group_list, torch.Tensor)
+            else type(group_list).__name__
+        )
+        raise TypeError(f"{who}: group_list must be a 1-D torch.int64 tensor of per-group row counts, got {got}.")
+    num_groups = group_list.numel()
+    if left.data.dim() != 2:
+        raise ValueError(f"{who}: left must be 2-D token-sorted rows [T, C], got shape {tuple(left.shape)}.")
+    tokens = left.shape[0]
+    if layout == "TN":
+        if right.data.dim() != 2 or right.shape[0] != tokens:
+            raise ValueError(
+                f"{who}: layout 'TN' (wgrad x_gᵀ·dy_g) needs left [T, K] and right [T, N] with the same T, "
+                f"got left {tuple(left.shape)} and right {tuple(right.shape)}."
+            )
+        if fmt is LowPrecisionFormat.MXFP8_E4M3:
+            for name, operand in (("left", left), ("right", right)):
+                if operand.group_list is None:
+                    raise ValueError(
+                        f"{who}: the MXFP8 wgrad {name} operand was quantized without group_list, so its "
+                        "32-row blocks may straddle two groups; quantize it with orientation='col' and this "
+                        "group_list."
+                    )
+                if operand.group_list is not group_list and not torch.equal(
+                    operand.group_list.to(group_list.device), group_list
+                ):
+                    raise ValueError(
+                        f"{who}: the MXFP8 wgrad {name} operand was quantized with group_list "
+                        f"{operand.group_list.tolist()} but the GEMM got {group_list.tolist()}."
+                    )
+        out_shape: tuple[int, ...] = (num_groups, left.shape[1], right.shape[1])
+    else:
+        if right.data.dim() != 3:
+            raise ValueError(
+                f"{who}: layout {layout!r} needs right = stacked weights [E, K, N] (GMM view), got shape "
+                f"{tuple(right.shape)}."
+            )
+        if right.shape[0] != num_groups:
+            raise ValueError(
+                f"{who}: right has {right.shape[0]} groups (shape {tuple(right.shape)}) but group_list has "
+                f"{num_groups} entries; they must match."
+            )
+        k_left = left.shape[1]
+        k_right, n = _oriented(right.shape, layout[1] == "T")
+        if k_left != k_right:
+            raise ValueError(
+                f"{who}: layout {layout!r} contracts left {tuple(left.shape)} over {k_left} but right "
+                f"{tuple(right.shape)} over {k_right}; the contraction dims must match."
+            )
+        out_shape = (tokens, n)
+    role = _check_role(who, grouped=True, layout=layout)
+    name = resolve_backend(fmt, left.device, backend)
+    out = _backend_impl(name).grouped_matmul(left, right, group_list, layout, output_dtype)
+    _check_result(who, name, out, out_shape, output_dtype)
+    trace.emit(
+        op=who, backend=name, format=fmt.value, layout=layout, left_shape=left.shape, right_shape=right.shape,
+        output=out, num_groups=num_groups, gemm_role=role,
+    )
+    return out

@@ -1,0 +1,155 @@
+"""The ``emulated`` backend: exact decode, FP32 matmul, one rounding (MISSION "Where it runs").
+
+It is the reference the ``npu`` backend is checked against and what CPU runs use. It runs on any
+torch device and is labelled ``"emulated"`` in every trace event.
+
+Numerics, per format:
+
+- MXFP8: each operand is dequantized per 32-block to FP32 *before* accumulation
+  (``lp_lightning.formats.mxfp8.dequantize``). An E4M3 value (4 significant bits, |v| ≤ 448) times
+  an E8M0 power of two is exact in FP32, so the decoded operands equal the quantized values exactly
+  (the one exception, inputs within 3 % of the FP32 maximum overflowing to ±Inf, is documented in
+  ``mxfp8``); the matmul then accumulates in FP32.
+- HiF8: codes are decoded to FP32 (exact: ≤ 4 significant bits), multiplied in FP32, and the
+  FP32 product is multiplied by ``left_scale * right_scale`` (per group for a grouped weight) —
+  the order of the hardware formula ``out = (Σ x1·x2) · x1Scale · x2Scale`` (aclnnQuantMatmulV5.md).
+
+The FP32 result is rounded once to ``output_dtype``. Because every decoded operand has at most 4
+significant bits, a TF32 matmul mode (CUDA) would not change the products either; the accumulation
+is FP32 in all torch matmul kernels.
+
+Grouped GEMMs loop over the groups with row slices (host copy of ``group_list``); weights are
+decoded one group at a time so a ``[E, K, N]`` weight is never materialised in FP32 at once.
+
+Cost: decoding is O(M·K + K·N) element-wise work against the O(M·N·K) matmul, so the overhead
+shrinks as the GEMM grows; ``benchmarks/gemm.py`` measures it against BF16 and FP32 matmuls.
+
+Tensor-name legend: ``a_MK``/``b_KN`` decoded FP32 operand matrices after ``op()``, ``x_TK`` /
+``dy_TN`` token-sorted rows, ``w_KN`` one group's weight, ``out_*`` results.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lp_lightning.formats import hif8
+from lp_lightning.formats.operand import LowPrecisionFormat, QuantizedOperand
+
+__all__ = ["BACKEND", "EmulatedBackend", "group_counts"]
+
+
+def group_counts(group_list: torch.Tensor, tokens: int, who: str) -> list[int]:
+    """Host list of per-group row counts, checked: all ≥ 0 and summing to ``tokens``.
+
+    Raises:
+        ValueError: naming the offending counts.
+    """
+    counts = [int(c) for c in group_list.tolist()]
+    if any(c < 0 for c in counts) or sum(counts) != tokens:
+        raise ValueError(
+            f"{who}: group_list {counts} must hold non-negative row counts summing to the {tokens} "
+            f"token rows (sum is {sum(counts)})."
+        )
+    return counts
+
+
+def _decoded(operand: QuantizedOperand) -> torch.Tensor:
+    """FP32 values of the operand's data: MX fully dequantized (exact), HiF8 codes unscaled."""
+    if operand.format is LowPrecisionFormat.MXFP8_E4M3:
+        return operand.dequantize(torch.float32)
+    return hif8.decode(operand.data, torch.float32)
+
+
+def _decoded_group(operand: QuantizedOperand, g: int) -> torch.Tensor:
+    """FP32 values of group ``g`` of a 3-D weight operand (MX: that group's blocks only)."""
+    if operand.format is LowPrecisionFormat.MXFP8_E4M3:
+        one = QuantizedOperand(
+            data=operand.data[g],
+            scale=operand.scale[g],
+            logical_dtype=operand.logical_dtype,
+            format=operand.format,
+            orientation=operand.orientation,
+        )
+        return one.dequantize(torch.float32)
+    return hif8.decode(operand.data[g], torch.float32)
+
+
+def _no_autocast(method):
+    """Run ``method`` with autocast off on the operands' device: the FP32 matmul of decoded
+    operands must stay FP32 even when the caller runs under BF16 autocast."""
+
+    def wrapper(self, left: QuantizedOperand, *args, **kwargs):
+        with torch.autocast(device_type=left.device.type, enabled=False):
+            return method(self, left, *args, **kwargs)
+
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    return wrapper
+
+
+def _op(matrix: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return matrix.transpose(-2, -1) if transpose else matrix
+
+
+class EmulatedBackend:
+    """Exact software model of the low-precision GEMMs (see the module docstring)."""
+
+    name = "emulated"
+
+    @_no_autocast
+    def matmul(
+        self, left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Dense ``op(left) @ op(right)``; inputs already validated by ``lp_lightning.ops.api``."""
+        a_MK = _op(_decoded(left), layout[0] == "T")
+        b_KN = _op(_decoded(right), layout[1] == "T")
+        out_MN = a_MK @ b_KN
+        if left.format is LowPrecisionFormat.HIF8:
+            out_MN = out_MN * (left.scale * right.scale)
+        return out_MN.to(output_dtype)
+
+    @_no_autocast
+    def grouped_matmul(
+        self,
+        left: QuantizedOperand,
+        right: QuantizedOperand,
+        group_list: torch.Tensor,
+        layout: str,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Grouped GEMM; see ``lp_lightning.ops.api.low_precision_grouped_matmul`` for the contract."""
+        tokens = left.shape[0]
+        counts = group_counts(group_list, tokens, "low_precision_grouped_matmul")
+        hif8_scales = left.format is LowPrecisionFormat.HIF8
+        rows_TC = _decoded(left)
+        device = left.device
+        if layout == "TN":  # wgrad: out[g] = x_gᵀ · dy_g
+            dy_TN = _decoded(right)
+            out_EKN = torch.zeros((len(counts), left.shape[1], right.shape[1]), dtype=output_dtype, device=device)
+            pair_scale = left.scale * right.scale if hif8_scales else None
+            start = 0
+            for g, count in enumerate(counts):
+                if count:
+                    rows = slice(start, start + count)
+                    out_KN = rows_TC[rows].transpose(0, 1) @ dy_TN[rows]
+                    if pair_scale is not None:
+                        out_KN = out_KN * pair_scale
+                    out_EKN[g] = out_KN.to(output_dtype)
+                start += count
+            return out_EKN
+        # fprop (NN): out_g = x_g · W_g ; dgrad (NT): out_g = dy_g · W_gᵀ, W in the GMM view [E, K, N].
+        width = right.shape[2] if layout == "NN" else right.shape[1]
+        out_TC = torch.empty((tokens, width), dtype=output_dtype, device=device)
+        start = 0
+        for g, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                w_KN = _op(_decoded_group(right, g), layout[1] == "T")
+                out_g = rows_TC[rows] @ w_KN
+                if hif8_scales:
+                    out_g = out_g * (left.scale * right.scale[g])
+                out_TC[rows] = out_g.to(output_dtype)
+            start += count
+        return out_TC
+
+
+BACKEND = EmulatedBackend()

@@ -1,0 +1,354 @@
+"""The ``npu`` backend: thin wrappers over torch_npu's quantize / quant-MM / quant-GMM ops.
+
+Nothing here imports ``torch_npu`` at module level; each wrapper imports it when called (so only
+selecting and using this backend loads it). Every argument the wrappers pass is explicit, so the
+call records of the fake ``torch_npu`` in the tests pin the whole hardware contract. Any error
+raised by torch_npu propagates unchanged: there is no fallback to a high-precision GEMM.
+
+Ops and arguments (FORMATS.md §3.3; MindSpeed ``mindspeed/ops/gmm_mxfp8.py`` and
+hicann/torchtitan-npu ``converters/kernels/quant_gmm.py`` use the same conventions):
+
+==================  ====================================================================
+dense MXFP8         ``npu_quant_matmul(x1, x2, scale=x2 scale, pertoken_scale=x1 scale,
+                    scale_dtype=pertoken_scale_dtype=torch_npu.float8_e8m0fnu,
+                    group_sizes=[1, 1, 32], output_dtype=...)``
+dense HiF8          ``npu_quant_matmul(x1, x2, scale=[1] FP32, pertoken_scale=[1] FP32,
+                    x1_dtype=x2_dtype=torch_npu.hifloat8, output_dtype=...)`` (T-T mode)
+grouped (both)      ``npu_grouped_matmul([x], [weight], scale=[...], per_token_scale=[...],
+                    group_list=counts, group_list_type=1, group_type=0 (split M: fprop,
+                    dgrad) or 2 (split K: wgrad), split_item=3, output_dtype=...)`` plus
+                    ``scale_dtype/per_token_scale_dtype=float8_e8m0fnu`` (MXFP8) or
+                    ``x_dtype/weight_dtype=hifloat8`` (HiF8)
+MXFP8 quantize      ``npu_dynamic_mx_quant(x, axis=-1|-2, dst_type=torch.float8_e4m3fn,
+                    scale_alg=1)`` (RCEIL), ``npu_dynamic_mx_quant_with_dual_axis``,
+                    ``npu_grouped_dynamic_mx_quant`` (wgrad col operands)
+==================  ====================================================================
+
+A transposed operand is passed as a transposed *view* (``t.transpose(-2, -1)``), never a copy,
+and its NPU scale as the matching transposed view, as in the references above.
+
+Ascend 950 MX scale layout (FORMATS.md §2 "Ascend 950 MX scale layout"; ops-nn
+aclnnDynamicMxQuantV3.md, aclnnQuantMatmulV5.md): the quant axis of length ``d`` becomes
+``ceil(ceil(d/32)/2)`` rows of *pairs* of consecutive 32-blocks, with a trailing dim of 2; an odd
+block count is padded with code 0 (2^-127). For the last axis this is a plain reshape of our
+``[..., R, nb]`` scale to ``[..., R, nb/2, 2]``; for axis −2 the pairs are interleaved:
+``npu[..., p, c, j] = ours[..., 2p + j, c]``. Grouped col scales (GroupedDynamicMxQuant README)
+pack the pairs of each group after the previous group's, every group padded to an even block
+count, in a ``[T // 64 + G, C, 2]`` tensor (unused trailing rows are code 0).
+
+HiF8 GMM scales follow the torchtitan-npu HiF8 GMM (its low-precision guide): the per-tensor
+activation scale broadcast to ``[T]`` (``per_token_scale``) and the weight's ``[E]`` scale for
+split-M; for wgrad (split-K) both per-tensor scales broadcast to ``[E]``.
+
+Tensor-name legend: ``scale_*b`` our scales (one entry per 32-block), ``npu_scale_*2`` NPU pair
+layout (trailing dim 2), ``P`` pair rows, ``G`` groups, ``C`` columns.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+
+from lp_lightning.formats.operand import MX_BLOCK_SIZE, LowPrecisionFormat, Orientation, QuantizedOperand
+
+__all__ = [
+    "BACKEND",
+    "NpuBackend",
+    "mx_grouped_scale_from_npu",
+    "mx_grouped_scale_to_npu",
+    "mx_quantize",
+    "mx_quantize_dual",
+    "mx_quantize_grouped_col",
+    "mx_scale_from_npu",
+    "mx_scale_to_npu",
+]
+
+_SCALE_ALG_RCEIL = 1  # npu_dynamic_mx_quant scale_alg=1: S = amax / 448 with exponent rounded up (RCEIL)
+_MX_GROUP_SIZES = [1, 1, MX_BLOCK_SIZE]  # [gm, gn, gk] of QuantMatmulV5 MX mode
+_GROUP_LIST_COUNTS = 1  # npu_grouped_matmul group_list_type=1: per-group counts
+_GROUP_TYPE_SPLIT_M = 0
+_GROUP_TYPE_SPLIT_K = 2
+_SPLIT_ITEM_SINGLE = 3  # one output tensor
+
+
+def _torch_npu() -> ModuleType:
+    import torch_npu  # noqa: PLC0415 - imported only when the npu backend is used
+
+    return torch_npu
+
+
+def _as_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """torch_npu returns E8M0 scales as ``uint8`` or ``float8_e8m0fnu``; normalise to the latter."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale
+    if scale.dtype == torch.uint8:
+        return scale.view(torch.float8_e8m0fnu)
+    raise TypeError(f"torch_npu returned an MX scale of dtype {scale.dtype}; expected uint8 or float8_e8m0fnu.")
+
+
+def _pad_blocks_even(scale_u8: torch.Tensor, dim: int) -> torch.Tensor:
+    """Append one code-0 (2^-127) block along ``dim`` when the block count is odd."""
+    if scale_u8.shape[dim] % 2 == 0:
+        return scale_u8
+    pad_shape = list(scale_u8.shape)
+    pad_shape[dim] = 1
+    return torch.cat([scale_u8, scale_u8.new_zeros(pad_shape)], dim=dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# Scale layout conversion (ours ↔ Ascend 950).
+
+
+def mx_scale_to_npu(scale: torch.Tensor, *, orientation: Orientation) -> torch.Tensor:
+    """Our MX scale → the Ascend 950 pair layout.
+
+    Args:
+        scale: ``float8_e8m0fnu``; row: ``[..., R, nb]``; col: ``[..., nb, C]``.
+        orientation: ``"row"`` (blocks along the last dim) or ``"col"`` (along dim −2).
+
+    Returns:
+        Contiguous ``float8_e8m0fnu``; row: ``[..., R, ceil(nb/2), 2]``; col:
+        ``[..., ceil(nb/2), C, 2]`` with ``out[..., p, c, j] = scale[..., 2p + j, c]``.
+    """
+    scale_u8 = scale.view(torch.uint8)
+    if orientation == "row":
+        padded = _pad_blocks_even(scale_u8, -1)
+        out = padded.reshape(*padded.shape[:-1], padded.shape[-1] // 2, 2)
+    else:
+        padded = _pad_blocks_even(scale_u8, -2)
+        pairs, cols = padded.shape[-2] // 2, padded.shape[-1]
+        out = padded.reshape(*padded.shape[:-2], pairs, 2, cols).transpose(-2, -1)
+    return out.contiguous().view(torch.float8_e8m0fnu)
+
+
+def mx_scale_from_npu(npu_scale: torch.Tensor, *, orientation: Orientation, num_blocks: int) -> torch.Tensor:
+    """The Ascend 950 pair layout → our MX scale (inverse of ``mx_scale_to_npu``).
+
+    Args:
+        npu_scale: ``uint8`` or ``float8_e8m0fnu``; row ``[..., R, P, 2]``, col ``[..., P, C, 2]``.
+        orientation: ``"row"`` or ``"col"``.
+        num_blocks: ``ceil(d / 32)`` for the quantized axis (drops the padding block).
+
+    Returns:
+        ``float8_e8m0fnu``; row ``[..., R, num_blocks]``, col ``[..., num_blocks, C]``.
+    """
+    npu_u8 = _as_e8m0(npu_scale).view(torch.uint8)
+    if orientation == "row":
+        flat = npu_u8.reshape(*npu_u8.shape[:-2], npu_u8.shape[-2] * 2)
+        out = flat[..., :num_blocks]
+    else:
+        pairs, cols = npu_u8.shape[-3], npu_u8.shape[-2]
+        flat = npu_u8.transpose(-2, -1).reshape(*npu_u8.shape[:-3], pairs * 2, cols)
+        out = flat[..., :num_blocks, :]
+    return out.contiguous().view(torch.float8_e8m0fnu)
+
+
+def mx_grouped_scale_to_npu(scale: torch.Tensor, group_list: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Our grouped col scale ``[sum_g ceil(n_g/32), C]`` → NPU ``[T // 64 + G, C, 2]``.
+
+    Computed on the device from ``group_list`` (no host sync): block row ``b`` of group ``g``
+    (local index ``j``) goes to pair row ``pair_start_g + j // 2``, slot ``j % 2``.
+
+    Args:
+        scale: ``float8_e8m0fnu [B, C]``, ``B = sum_g ceil(n_g / 32)``.
+        group_list: ``int64 [G]`` row counts.
+        tokens: ``T = sum_g n_g``.
+
+    Returns:
+        Contiguous ``float8_e8m0fnu [T // 64 + G, C, 2]``, unused rows code 0.
+    """
+    scale_u8 = scale.view(torch.uint8)
+    num_block_rows, cols = scale_u8.shape
+    counts_G = group_list.to(scale_u8.device)
+    blocks_G = (counts_G + MX_BLOCK_SIZE - 1) // MX_BLOCK_SIZE
+    pairs_G = (blocks_G + 1) // 2
+    block_end_G = torch.cumsum(blocks_G, 0)
+    pair_start_G = torch.cumsum(pairs_G, 0) - pairs_G
+    block_b = torch.arange(num_block_rows, device=scale_u8.device)
+    group_b = torch.searchsorted(block_end_G, block_b, right=True)
+    local_b = block_b - (block_end_G - blocks_G)[group_b]
+    out = scale_u8.new_zeros((tokens // (2 * MX_BLOCK_SIZE) + group_list.numel(), cols, 2))
+    out[pair_start_G[group_b] + local_b // 2, :, local_b % 2] = scale_u8
+    return out.view(torch.float8_e8m0fnu)
+
+
+def mx_grouped_scale_from_npu(npu_scale: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
+    """NPU grouped col scale ``[P, C, 2]`` → ours ``[sum_g ceil(n_g/32), C]`` (reads the counts on host).
+
+    Args:
+        npu_scale: ``uint8`` or ``float8_e8m0fnu [P, C, 2]`` (P ≥ the pairs the groups need).
+        group_list: ``int64 [G]`` row counts.
+
+    Returns:
+        Contiguous ``float8_e8m0fnu [sum_g ceil(n_g / 32), C]``.
+    """
+    npu_u8 = _as_e8m0(npu_scale).view(torch.uint8)
+    cols = npu_u8.shape[1]
+    pieces, pair_row = [], 0
+    for count in group_list.tolist():
+        blocks = math.ceil(count / MX_BLOCK_SIZE)
+        pairs = math.ceil(blocks / 2)
+        group = npu_u8[pair_row : pair_row + pairs]  # [pairs, C, 2]
+        pieces.append(group.transpose(1, 2).reshape(pairs * 2, cols)[:blocks])
+        pair_row += pairs
+    out = torch.cat(pieces, 0) if pieces else npu_u8.new_zeros((0, cols))
+    return out.contiguous().view(torch.float8_e8m0fnu)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantize (used by MXFP8Quantizer when the npu backend is in force).
+
+
+def mx_quantize(x: torch.Tensor, *, orientation: Orientation) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantize with ``npu_dynamic_mx_quant`` (RCEIL); scale returned in our layout.
+
+    Args:
+        x: bfloat16/float16 (or float32) tensor, ≥ 1-D (row) or ≥ 2-D (col).
+        orientation: ``"row"`` (``axis=-1``) or ``"col"`` (``axis=-2``).
+
+    Returns:
+        ``(data float8_e4m3fn, scale float8_e8m0fnu)`` in the layouts of ``lp_lightning.formats.mxfp8``.
+    """
+    torch_npu = _torch_npu()
+    axis = -1 if orientation == "row" else -2
+    data, npu_scale = torch_npu.npu_dynamic_mx_quant(
+        x, axis=axis, dst_type=torch.float8_e4m3fn, scale_alg=_SCALE_ALG_RCEIL
+    )
+    num_blocks = math.ceil(x.shape[axis] / MX_BLOCK_SIZE)
+    return data, mx_scale_from_npu(npu_scale, orientation=orientation, num_blocks=num_blocks)
+
+
+def mx_quantize_dual(
+    x: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Row and col MXFP8 in one ``npu_dynamic_mx_quant_with_dual_axis`` call (RCEIL).
+
+    Args:
+        x: ≥ 2-D bfloat16/float16 (or float32) tensor.
+
+    Returns:
+        ``((row_data, row_scale), (col_data, col_scale))`` in our layouts (the op returns the
+        axis −1 result first, then axis −2).
+    """
+    torch_npu = _torch_npu()
+    row_data, row_npu, col_data, col_npu = torch_npu.npu_dynamic_mx_quant_with_dual_axis(
+        x, dst_type=torch.float8_e4m3fn, scale_alg=_SCALE_ALG_RCEIL
+    )
+    row_scale = mx_scale_from_npu(row_npu, orientation="row", num_blocks=math.ceil(x.shape[-1] / MX_BLOCK_SIZE))
+    col_scale = mx_scale_from_npu(col_npu, orientation="col", num_blocks=math.ceil(x.shape[-2] / MX_BLOCK_SIZE))
+    return (row_data, row_scale), (col_data, col_scale)
+
+
+def mx_quantize_grouped_col(x_TC: torch.Tensor, group_list: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped col MXFP8 with ``npu_grouped_dynamic_mx_quant`` (blocks stop at group ends; RCEIL).
+
+    Args:
+        x_TC: 2-D token-sorted tensor.
+        group_list: ``int64 [G]`` row counts (passed to the op as ``int32`` cumulative ends).
+
+    Returns:
+        ``(data float8_e4m3fn [T, C], scale float8_e8m0fnu [sum_g ceil(n_g/32), C])``.
+    """
+    torch_npu = _torch_npu()
+    group_index = torch.cumsum(group_list, 0).to(torch.int32)
+    data, npu_scale = torch_npu.npu_grouped_dynamic_mx_quant(
+        x_TC, group_index, round_mode="rint", dst_type=torch.float8_e4m3fn, blocksize=MX_BLOCK_SIZE,
+        scale_alg=_SCALE_ALG_RCEIL,
+    )
+    return data, mx_grouped_scale_from_npu(npu_scale, group_list)
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMMs.
+
+
+def _t(tensor: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return tensor.transpose(-2, -1) if transpose else tensor
+
+
+class NpuBackend:
+    """torch_npu quant MM/GMM wrappers; inputs arrive validated by ``lp_lightning.ops.api``."""
+
+    name = "npu"
+
+    def matmul(
+        self, left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Dense GEMM via ``npu_quant_matmul``: x1 = op(left) ``[m, k]``, x2 = op(right) ``[k, n]``."""
+        torch_npu = _torch_npu()
+        left_t, right_t = layout[0] == "T", layout[1] == "T"
+        x1, x2 = _t(left.data, left_t), _t(right.data, right_t)
+        if left.format is LowPrecisionFormat.MXFP8_E4M3:
+            # x1 scale is (m, ceil(k/64), 2) and x2 scale (ceil(k/64), n, 2). A transposed operand's
+            # scale is the matching view: its first two dims swapped, the pair slot stays last.
+            x1_scale = mx_scale_to_npu(left.scale, orientation=left.orientation)
+            x2_scale = mx_scale_to_npu(right.scale, orientation=right.orientation)
+            if left_t:  # wgrad dyᵀ: col scale (ceil(M/64), N, 2) → (N, ceil(M/64), 2)
+                x1_scale = x1_scale.transpose(0, 1)
+            if right_t:  # fprop Wᵀ: row scale (N, ceil(K/64), 2) → (ceil(K/64), N, 2)
+                x2_scale = x2_scale.transpose(0, 1)
+            return torch_npu.npu_quant_matmul(
+                x1, x2, x2_scale,
+                pertoken_scale=x1_scale,
+                output_dtype=output_dtype,
+                scale_dtype=torch_npu.float8_e8m0fnu,
+                pertoken_scale_dtype=torch_npu.float8_e8m0fnu,
+                group_sizes=list(_MX_GROUP_SIZES),
+            )
+        return torch_npu.npu_quant_matmul(
+            x1, x2, right.scale.reshape(1),
+            pertoken_scale=left.scale.reshape(1),
+            output_dtype=output_dtype,
+            x1_dtype=torch_npu.hifloat8,
+            x2_dtype=torch_npu.hifloat8,
+        )
+
+    def grouped_matmul(
+        self,
+        left: QuantizedOperand,
+        right: QuantizedOperand,
+        group_list: torch.Tensor,
+        layout: str,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Grouped GEMM via ``npu_grouped_matmul`` (split M for NN/NT, split K for TN)."""
+        torch_npu = _torch_npu()
+        tokens, num_groups = left.shape[0], group_list.numel()
+        if layout == "TN":  # wgrad: x = left ᵀ [K, T], weight = right [T, N], split K over tokens
+            x, weight, group_type = left.data.transpose(0, 1), right.data, _GROUP_TYPE_SPLIT_K
+        else:  # fprop: weight [E, K, N]; dgrad: weight viewed [E, N, K]
+            x, weight, group_type = left.data, _t(right.data, layout == "NT"), _GROUP_TYPE_SPLIT_M
+        common = dict(
+            group_list=group_list,
+            group_list_type=_GROUP_LIST_COUNTS,
+            group_type=group_type,
+            split_item=_SPLIT_ITEM_SINGLE,
+            output_dtype=output_dtype,
+        )
+        if left.format is LowPrecisionFormat.MXFP8_E4M3:
+            if layout == "TN":
+                x_scale = mx_grouped_scale_to_npu(left.scale, group_list, tokens).transpose(0, 1)  # (K, P, 2)
+                w_scale = mx_grouped_scale_to_npu(right.scale, group_list, tokens)  # (P, N, 2)
+            else:
+                x_scale = mx_scale_to_npu(left.scale, orientation="row")  # (T, ceil(k/64), 2)
+                w_scale = mx_scale_to_npu(right.scale, orientation=right.orientation)
+                if layout == "NT":  # row scale [E, K, P, 2] → (E, P, K, 2) view, like the data view
+                    w_scale = w_scale.transpose(1, 2)
+            kinds = dict(scale_dtype=torch_npu.float8_e8m0fnu, per_token_scale_dtype=torch_npu.float8_e8m0fnu)
+        else:
+            if layout == "TN":
+                x_scale = left.scale.reshape(1).expand(num_groups).contiguous()
+                w_scale = right.scale.reshape(1).expand(num_groups).contiguous()
+            else:
+                x_scale = left.scale.reshape(1).expand(tokens).contiguous()
+                w_scale = right.scale
+            kinds = dict(x_dtype=torch_npu.hifloat8, weight_dtype=torch_npu.hifloat8)
+        (out,) = torch_npu.npu_grouped_matmul(
+            [x], [weight], scale=[w_scale], per_token_scale=[x_scale], **common, **kinds
+        )
+        return out
+
+
+BACKEND = NpuBackend()

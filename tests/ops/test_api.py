@@ -1,0 +1,254 @@
+"""The GEMM interface: the orientation contract, errors, backend selection and trace events
+(seed §8, §13.4, §16.2; MISSION R6, R12)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lp_lightning.formats import MXFP8Quantizer, recipe_for
+from lp_lightning.formats.quantizers import HiF8Quantizer
+from lp_lightning.ops import (
+    GemmRole,
+    LowPrecisionUnsupportedError,
+    add_gemm_observer,
+    gemm_role,
+    get_backend,
+    low_precision_grouped_matmul,
+    low_precision_matmul,
+    record_gemms,
+    resolve_backend,
+    set_backend,
+    use_backend,
+)
+
+MX = MXFP8Quantizer()
+HI = HiF8Quantizer(format_max=15.0)
+GRAD = HiF8Quantizer(format_max=224.0)
+M, K, N, E = 48, 64, 40, 3
+GROUPS = torch.tensor([20, 0, 28])
+
+
+def _q(fmt, x, orientation, group_list=None, grad=False):
+    if fmt == "mxfp8":
+        return MX.quantize(x, orientation=orientation, group_list=group_list)
+    return (GRAD if grad else HI).quantize(x, orientation=orientation, group_list=group_list)
+
+
+def _dense_case(fmt, role):
+    """Operands of the dense contract table (api.py) for ``role``; returns (left, right, layout, out_shape)."""
+    x, w, dy = torch.randn(M, K), torch.randn(N, K), torch.randn(M, N)
+    if role == "fprop":
+        return _q(fmt, x, "row"), _q(fmt, w, "row"), "NT", (M, N)
+    if role == "dgrad":
+        return _q(fmt, dy, "row", grad=True), _q(fmt, w, "col"), "NN", (M, K)
+    return _q(fmt, dy, "col", grad=True), _q(fmt, x, "col"), "TN", (N, K)
+
+
+def _grouped_case(fmt, role):
+    x, w, dy = torch.randn(M, K), torch.randn(E, K, N), torch.randn(M, N)
+    if role == "fprop":
+        return _q(fmt, x, "row"), _q(fmt, w, "col"), "NN", (M, N)
+    if role == "dgrad":
+        return _q(fmt, dy, "row", grad=True), _q(fmt, w, "row"), "NT", (M, K)
+    return _q(fmt, x, "col", GROUPS), _q(fmt, dy, "col", GROUPS, grad=True), "TN", (E, K, N)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "hif8"])
+@pytest.mark.parametrize("role", ["fprop", "dgrad", "wgrad"])
+def test_contract_table_shapes_roles_and_trace(fmt, role):
+    left, right, layout, shape = _dense_case(fmt, role)
+    with record_gemms() as events, gemm_role(f"dense_{role}"):
+        out = low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    assert out.shape == shape and out.dtype == torch.bfloat16
+    left, right, layout, shape = _grouped_case(fmt, role)
+    with record_gemms() as grouped_events, gemm_role(f"grouped_{role}"):
+        out = low_precision_grouped_matmul(left, right, GROUPS, layout=layout, output_dtype=torch.float32)
+    assert out.shape == shape and out.dtype == torch.float32
+    (dense_event,), (grouped_event,) = events, grouped_events
+    assert dense_event.backend == "emulated" and grouped_event.backend == "emulated"
+    assert dense_event.gemm_role == GemmRole(f"dense_{role}") and grouped_event.gemm_role == GemmRole(f"grouped_{role}")
+    assert grouped_event.op == "low_precision_grouped_matmul" and grouped_event.num_groups == E
+    assert grouped_event.format == ("mxfp8_e4m3" if fmt == "mxfp8" else "hif8")
+    assert grouped_event.layout == layout and grouped_event.output_shape == shape
+    assert grouped_event.left_shape == tuple(left.shape) and grouped_event.right_shape == tuple(right.shape)
+    assert grouped_event.output_dtype == "torch.float32" and grouped_event.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("role", "which", "bad"),
+    [("fprop", "right", "col"), ("fprop", "left", "col"), ("dgrad", "right", "row"), ("wgrad", "left", "row")],
+)
+def test_mx_orientation_must_match_the_layout(role, which, bad):
+    left, right, layout, _ = _dense_case("mxfp8", role)
+    source = torch.randn(left.shape if which == "left" else right.shape)
+    if which == "left":
+        left = MX.quantize(source, orientation=bad)
+    else:
+        right = MX.quantize(source, orientation=bad)
+    need = "row" if bad == "col" else "col"
+    with pytest.raises(ValueError, match=rf"MXFP8 {which} operand must be '{need}'.*orientation='{need}'"):
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+
+
+def test_hif8_orientation_is_metadata_only():
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    xq, wq = HI.quantize(x, orientation="row"), HI.quantize(w, orientation="row")
+    a = low_precision_matmul(xq, wq, layout="NT", output_dtype=torch.float32)
+    xc, wc = xq.with_orientation("col"), wq.with_orientation("col")
+    b = low_precision_matmul(xc, wc, layout="NT", output_dtype=torch.float32)
+    assert torch.equal(a, b)
+
+
+def test_argument_errors_name_the_problem():
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    xq, wq = MX.quantize(x, orientation="row"), MX.quantize(w, orientation="row")
+    with pytest.raises(TypeError, match="right must be a QuantizedOperand"):
+        low_precision_matmul(xq, w, layout="NT", output_dtype=torch.bfloat16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layout='TT'; legal values: 'NN', 'NT', 'TN'"):
+        low_precision_matmul(xq, wq, layout="TT", output_dtype=torch.bfloat16)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="output_dtype=torch.float8_e4m3fn"):
+        low_precision_matmul(xq, wq, layout="NT", output_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="share one format"):
+        low_precision_matmul(xq, HI.quantize(w, orientation="row"), layout="NT", output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contraction dims must match"):
+        wide = MX.quantize(torch.randn(N, K + 1), orientation="row")
+        low_precision_matmul(xq, wide, layout="NT", output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dense operands must be 2-D"):
+        stacked = MX.quantize(torch.randn(E, N, K), orientation="row")
+        low_precision_matmul(xq, stacked, layout="NT", output_dtype=torch.bfloat16)
+
+
+def test_grouped_argument_errors():
+    xq = MX.quantize(torch.randn(M, K), orientation="row")
+    wq = MX.quantize(torch.randn(E, K, N), orientation="col")
+    with pytest.raises(TypeError, match="group_list must be a 1-D torch.int64"):
+        low_precision_grouped_matmul(xq, wq, GROUPS.int(), layout="NN", output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group_list has 2 entries"):
+        low_precision_grouped_matmul(xq, wq, torch.tensor([20, 28]), layout="NN", output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"summing to the 48 token rows \(sum is 47\)"):
+        low_precision_grouped_matmul(xq, wq, torch.tensor([20, 0, 27]), layout="NN", output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="non-negative"):
+        low_precision_grouped_matmul(xq, wq, torch.tensor([50, -2, 0]), layout="NN", output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"stacked weights \[E, K, N\]"):
+        flat = MX.quantize(torch.randn(K, N), orientation="col")
+        low_precision_grouped_matmul(xq, flat, GROUPS, layout="NN", output_dtype=torch.bfloat16)
+    x_col = MX.quantize(torch.randn(M, K), orientation="col")
+    dy_col = MX.quantize(torch.randn(M, N), orientation="col", group_list=GROUPS)
+    with pytest.raises(ValueError, match="quantized without group_list"):
+        low_precision_grouped_matmul(x_col, dy_col, GROUPS, layout="TN", output_dtype=torch.bfloat16)
+    x_col = MX.quantize(torch.randn(M, K), orientation="col", group_list=torch.tensor([28, 0, 20]))
+    with pytest.raises(ValueError, match=r"quantized with group_list \[28, 0, 20\] but the GEMM got \[20, 0, 28\]"):
+        low_precision_grouped_matmul(x_col, dy_col, GROUPS, layout="TN", output_dtype=torch.bfloat16)
+
+
+def test_declared_gemm_role_must_agree_with_the_call():
+    left, right, layout, _ = _dense_case("hif8", "fprop")
+    expected = "role 'dense_wgrad' needs a dense GEMM with layout 'TN'"
+    with gemm_role("dense_wgrad"), pytest.raises(ValueError, match=expected):
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    with gemm_role(GemmRole.GROUPED_FPROP), pytest.raises(ValueError, match="needs a grouped GEMM"):
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="legal values: 'dense_fprop'"):
+        with gemm_role("fprop"):
+            pass
+    with record_gemms() as events:
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    assert events[0].gemm_role is None
+    assert [GemmRole(r).layout for r in ("dense_fprop", "dense_dgrad", "dense_wgrad")] == ["NT", "NN", "TN"]
+    assert [GemmRole(r).layout for r in ("grouped_fprop", "grouped_dgrad", "grouped_wgrad")] == ["NN", "NT", "TN"]
+
+
+def test_observers_are_read_only_removable_and_loud():
+    left, right, layout, _ = _dense_case("hif8", "fprop")
+    seen = []
+    handle = add_gemm_observer(seen.append)
+    out = low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    handle.remove()
+    handle.remove()  # idempotent
+    low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    assert len(seen) == 1
+    with pytest.raises(AttributeError):
+        seen[0].backend = "npu"  # frozen event
+    assert not any(isinstance(getattr(seen[0], f.name), torch.Tensor) for f in dataclasses.fields(seen[0]))
+
+    def broken(event):
+        raise RuntimeError("probe failed")
+
+    with add_gemm_observer(broken), pytest.raises(RuntimeError, match="probe failed"):
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    assert out.shape == (M, N)
+    with pytest.raises(TypeError, match="callable"):
+        add_gemm_observer("not a function")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend selection.
+
+
+def test_backend_selection_precedence(no_torch_npu):
+    left, right, layout, _ = _dense_case("hif8", "fprop")
+    assert get_backend() == "auto"
+    assert resolve_backend("hif8", torch.device("cpu")) == "emulated"
+    assert resolve_backend("hif8", "npu:0") == "emulated"  # auto: gate fails without torch_npu
+    set_backend("npu")
+    with pytest.raises(LowPrecisionUnsupportedError, match=r"pip install 'lp-lightning\[npu\]'"):
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    with use_backend("emulated"):
+        assert get_backend() == "emulated"
+        with use_backend("npu"):
+            assert get_backend() == "npu"
+        with record_gemms() as events:
+            low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+        assert events[0].backend == "emulated"
+        with pytest.raises(LowPrecisionUnsupportedError):
+            low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16, backend="npu")
+    assert get_backend() == "npu"
+    with pytest.raises(ValueError, match="backend='cuda'; legal values: 'auto', 'emulated', 'npu'"):
+        set_backend("cuda")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend='cpu'"):
+        low_precision_matmul(
+            left, right, layout=layout, output_dtype=torch.bfloat16, backend="cpu"  # type: ignore[arg-type]
+        )
+
+
+class _ForbidTorchNpu(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.attempts = 0
+
+    def find_spec(self, name, path, target=None):
+        if name == "torch_npu" or name.startswith("torch_npu."):
+            self.attempts += 1
+        return None
+
+
+def test_auto_on_cpu_never_tries_to_import_torch_npu(monkeypatch):
+    finder = _ForbidTorchNpu()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    recipe = recipe_for("mxfp8_e4m3")
+    x = recipe.quantizer("input_fwd").quantize(torch.randn(M, K), orientation="row")
+    w = recipe.quantizer("weight_fwd").quantize(torch.randn(N, K), orientation="row")
+    low_precision_matmul(x, w, layout="NT", output_dtype=torch.bfloat16)
+    set_backend("npu")  # selecting alone imports nothing
+    assert finder.attempts == 0 and "torch_npu" not in sys.modules
+
+
+def test_importing_the_package_does_not_import_torch_npu():
+    code = textwrap.dedent(
+        """
+        import sys
+        import lp_lightning, lp_lightning.formats, lp_lightning.ops
+        import lp_lightning.ops.npu, lp_lightning.ops.emulated, lp_lightning.ops.capability
+        assert "torch_npu" not in sys.modules, "torch_npu was imported"
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,293 @@
+"""The npu backend against a recording fake torch_npu: every call and argument is pinned, results
+equal the emulated backend, the capability gate names what is missing, nothing falls back
+(seed §15, §16.2; MISSION R6, R11)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fake_torch_npu import (
+    FLOAT8_E8M0FNU,
+    HIFLOAT8,
+    CallRecord,
+    pack_grouped_pairs,
+    pairs_along,
+    spec,
+    unpack_grouped_pairs,
+)
+from lp_lightning.formats import HiF8Quantizer, MXFP8Quantizer
+from lp_lightning.ops import (
+    LowPrecisionUnsupportedError,
+    check_npu_capability,
+    low_precision_grouped_matmul,
+    low_precision_matmul,
+    record_gemms,
+    resolve_backend,
+    use_backend,
+)
+from lp_lightning.ops import emulated, npu
+
+E4M3, E8M0, U8, F32, I64, BF16 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8, torch.float32,
+                                  torch.int64, torch.bfloat16)
+T2, T3, T4 = (1, 0), (1, 0, 2), (0, 2, 1, 3)  # dim orders of the transposed views
+MX, HI, GRAD = MXFP8Quantizer(), HiF8Quantizer(format_max=15.0), HiF8Quantizer(format_max=224.0)
+# Block counts 3 (odd: padded pair), 3 and 4 along M, K, N.
+M, K, N = 80, 70, 100
+COUNTS = [37, 0, 64, 5]
+T, E = sum(COUNTS), len(COUNTS)
+
+
+def P(extent: int) -> int:
+    """Pair rows of the NPU MX scale layout: ceil(ceil(d / 32) / 2)."""
+    return math.ceil(math.ceil(extent / 32) / 2)
+
+
+def _both(fn, *args, **kwargs):
+    """Run a GEMM on the npu backend (fake) and on the emulated backend."""
+    return fn(*args, **kwargs, backend="npu"), fn(*args, **kwargs, backend="emulated")
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense GEMMs.
+
+MX_DENSE = {"output_dtype": BF16, "scale_dtype": FLOAT8_E8M0FNU, "pertoken_scale_dtype": FLOAT8_E8M0FNU,
+            "group_sizes": (1, 1, 32)}
+HIF8_DENSE = {"output_dtype": BF16, "x1_dtype": HIFLOAT8, "x2_dtype": HIFLOAT8}
+
+
+def _dense(fmt, layout):
+    x, w, dy = torch.randn(M, K), torch.randn(N, K), torch.randn(M, N)
+    q = (lambda t, o, grad=False: MX.quantize(t, orientation=o)) if fmt == "mx" else (
+        lambda t, o, grad=False: (GRAD if grad else HI).quantize(t, orientation=o))
+    if layout == "NT":
+        return q(x, "row"), q(w, "row")
+    if layout == "NN":
+        return q(dy, "row", True), q(w, "col")
+    return q(dy, "col", True), q(x, "col")
+
+
+EXPECTED_DENSE = {
+    ("mx", "NT"): {"x1": spec(E4M3, (M, K)), "x2": spec(E4M3, (K, N), T2), "scale": spec(E8M0, (P(K), N, 2), T3),
+                   "pertoken_scale": spec(E8M0, (M, P(K), 2)), **MX_DENSE},
+    ("mx", "NN"): {"x1": spec(E4M3, (M, N)), "x2": spec(E4M3, (N, K)), "scale": spec(E8M0, (P(N), K, 2)),
+                   "pertoken_scale": spec(E8M0, (M, P(N), 2)), **MX_DENSE},
+    ("mx", "TN"): {"x1": spec(E4M3, (N, M), T2), "x2": spec(E4M3, (M, K)), "scale": spec(E8M0, (P(M), K, 2)),
+                   "pertoken_scale": spec(E8M0, (N, P(M), 2), T3), **MX_DENSE},
+    ("hif8", "NT"): {"x1": spec(U8, (M, K)), "x2": spec(U8, (K, N), T2), "scale": spec(F32, (1,)),
+                     "pertoken_scale": spec(F32, (1,)), **HIF8_DENSE},
+    ("hif8", "NN"): {"x1": spec(U8, (M, N)), "x2": spec(U8, (N, K)), "scale": spec(F32, (1,)),
+                     "pertoken_scale": spec(F32, (1,)), **HIF8_DENSE},
+    ("hif8", "TN"): {"x1": spec(U8, (N, M), T2), "x2": spec(U8, (M, K)), "scale": spec(F32, (1,)),
+                     "pertoken_scale": spec(F32, (1,)), **HIF8_DENSE},
+}
+
+
+@pytest.mark.parametrize(("fmt", "layout"), sorted(EXPECTED_DENSE), ids=["-".join(k) for k in sorted(EXPECTED_DENSE)])
+def test_dense_call_records_and_results(fake_npu, fmt, layout):
+    left, right = _dense(fmt, layout)
+    with record_gemms() as events:
+        out, reference = _both(low_precision_matmul, left, right, layout=layout, output_dtype=BF16)
+    assert fake_npu.calls == [CallRecord("npu_quant_matmul", EXPECTED_DENSE[(fmt, layout)])]
+    assert torch.equal(out, reference)
+    assert [e.backend for e in events] == ["npu", "emulated"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Grouped GEMMs.
+
+
+def _grouped(fmt, layout, group_list):
+    x, w, dy = torch.randn(T, K), torch.randn(E, K, N), torch.randn(T, N)
+    def q(t, o, grad=False, gl=None):
+        quantizer = MX if fmt == "mx" else (GRAD if grad else HI)
+        return quantizer.quantize(t, orientation=o, group_list=gl)
+
+    if layout == "NN":
+        return q(x, "row"), q(w, "col")
+    if layout == "NT":
+        return q(dy, "row", True), q(w, "row")
+    return q(x, "col", gl=group_list), q(dy, "col", True, gl=group_list)
+
+
+def _gmm(split_k: bool, **extra):
+    return {"group_list": spec(I64, (E,)), "split_item": 3, "group_type": 2 if split_k else 0,
+            "group_list_type": 1, "output_dtype": BF16, **extra}
+
+
+MX_KINDS = {"scale_dtype": FLOAT8_E8M0FNU, "per_token_scale_dtype": FLOAT8_E8M0FNU}
+HIF8_KINDS = {"x_dtype": HIFLOAT8, "weight_dtype": HIFLOAT8}
+PK = T // 64 + E  # rows of the NPU grouped MX scale
+
+EXPECTED_GROUPED = {
+    ("mx", "NN"): {"x": (spec(E4M3, (T, K)),), "weight": (spec(E4M3, (E, K, N)),),
+                   "scale": (spec(E8M0, (E, P(K), N, 2)),), "per_token_scale": (spec(E8M0, (T, P(K), 2)),),
+                   **_gmm(False, **MX_KINDS)},
+    ("mx", "NT"): {"x": (spec(E4M3, (T, N)),), "weight": (spec(E4M3, (E, N, K), (0, 2, 1)),),
+                   "scale": (spec(E8M0, (E, P(N), K, 2), T4),), "per_token_scale": (spec(E8M0, (T, P(N), 2)),),
+                   **_gmm(False, **MX_KINDS)},
+    ("mx", "TN"): {"x": (spec(E4M3, (K, T), T2),), "weight": (spec(E4M3, (T, N)),),
+                   "scale": (spec(E8M0, (PK, N, 2)),), "per_token_scale": (spec(E8M0, (K, PK, 2), T3),),
+                   **_gmm(True, **MX_KINDS)},
+    ("hif8", "NN"): {"x": (spec(U8, (T, K)),), "weight": (spec(U8, (E, K, N)),), "scale": (spec(F32, (E,)),),
+                     "per_token_scale": (spec(F32, (T,)),), **_gmm(False, **HIF8_KINDS)},
+    ("hif8", "NT"): {"x": (spec(U8, (T, N)),), "weight": (spec(U8, (E, N, K), (0, 2, 1)),),
+                     "scale": (spec(F32, (E,)),), "per_token_scale": (spec(F32, (T,)),), **_gmm(False, **HIF8_KINDS)},
+    ("hif8", "TN"): {"x": (spec(U8, (K, T), T2),), "weight": (spec(U8, (T, N)),), "scale": (spec(F32, (E,)),),
+                     "per_token_scale": (spec(F32, (E,)),), **_gmm(True, **HIF8_KINDS)},
+}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "layout"), sorted(EXPECTED_GROUPED), ids=["-".join(k) for k in sorted(EXPECTED_GROUPED)]
+)
+def test_grouped_call_records_and_results(fake_npu, fmt, layout):
+    group_list = torch.tensor(COUNTS)
+    left, right = _grouped(fmt, layout, group_list)
+    out, reference = _both(low_precision_grouped_matmul, left, right, group_list, layout=layout, output_dtype=BF16)
+    assert fake_npu.calls == [CallRecord("npu_grouped_matmul", EXPECTED_GROUPED[(fmt, layout)])]
+    assert torch.equal(out, reference)
+
+
+# ------------------------------------------------------------------------------------------------
+# MX scale layout conversion (against the fake's element-by-element index rule).
+
+
+@pytest.mark.parametrize("shape", [(5, 70), (3, 96, 33), (2, 4, 40, 64)])
+def test_mx_scale_layout_round_trip(shape):
+    x = torch.randn(shape)
+    for orientation, axis in (("row", -1), ("col", -2)):
+        scale = MX.quantize(x, orientation=orientation).scale
+        ours_u8 = scale.view(torch.uint8)
+        npu_scale = npu.mx_scale_to_npu(scale, orientation=orientation)
+        assert npu_scale.dtype == E8M0 and npu_scale.is_contiguous()
+        assert torch.equal(npu_scale.view(torch.uint8), pairs_along(ours_u8, axis))
+        back = npu.mx_scale_from_npu(npu_scale, orientation=orientation, num_blocks=math.ceil(shape[axis] / 32))
+        assert torch.equal(back.view(torch.uint8), ours_u8)
+
+
+@pytest.mark.parametrize("counts", [[37, 0, 64, 5], [0, 0], [33, 31, 1, 200]])
+def test_mx_grouped_scale_layout_round_trip(counts):
+    tokens = sum(counts)
+    group_list = torch.tensor(counts)
+    op = MX.quantize(torch.randn(tokens, 24), orientation="col", group_list=group_list)
+    npu_scale = npu.mx_grouped_scale_to_npu(op.scale, group_list, tokens)
+    assert npu_scale.shape == (tokens // 64 + len(counts), 24, 2)
+    assert torch.equal(npu_scale.view(torch.uint8), pack_grouped_pairs(op.scale.view(torch.uint8), counts, tokens))
+    assert torch.equal(unpack_grouped_pairs(npu_scale.view(torch.uint8), counts), op.scale.view(torch.uint8))
+    back = npu.mx_grouped_scale_from_npu(npu_scale, group_list)
+    assert torch.equal(back.view(torch.uint8), op.scale.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantize on the npu backend.
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _same_operand(a, b):
+    assert (a.orientation, a.format, a.logical_dtype) == (b.orientation, b.format, b.logical_dtype)
+    assert torch.equal(_bits(a.data), _bits(b.data)) and torch.equal(_bits(a.scale), _bits(b.scale))
+
+
+def test_mx_quantize_on_the_npu_backend(fake_npu):
+    x = torch.randn(M, K, dtype=BF16)
+    group_list = torch.tensor([30, 0, 50])
+    with use_backend("npu"):
+        row = MX.quantize(x, orientation="row")
+        col = MX.quantize(x, orientation="col")
+        dual = MX.quantize_dual(x)
+        grouped = MX.quantize(x, orientation="col", group_list=group_list)
+    quant = {"input": spec(BF16, (M, K)), "dst_type": E4M3, "scale_alg": 1}
+    assert fake_npu.calls == [
+        CallRecord("npu_dynamic_mx_quant", {**quant, "axis": -1}),
+        CallRecord("npu_dynamic_mx_quant", {**quant, "axis": -2}),
+        CallRecord("npu_dynamic_mx_quant_with_dual_axis", quant),
+        CallRecord("npu_grouped_dynamic_mx_quant", {"x": spec(BF16, (M, K)), "group_index": spec(torch.int32, (3,)),
+                                                    "round_mode": "rint", "dst_type": E4M3, "blocksize": 32,
+                                                    "scale_alg": 1}),
+    ]
+    with use_backend("emulated"):
+        _same_operand(row, MX.quantize(x, orientation="row"))
+        _same_operand(col, MX.quantize(x, orientation="col"))
+        _same_operand(dual[0], row)
+        _same_operand(dual[1], col)
+        _same_operand(grouped, MX.quantize(x, orientation="col", group_list=group_list))
+
+
+def test_hif8_quantize_stays_portable_on_the_npu_backend(fake_npu):
+    x = torch.randn(M, K, dtype=BF16)
+    with use_backend("npu"):
+        op = HI.quantize(x, orientation="row")
+    assert fake_npu.calls == []
+    _same_operand(op, HI.quantize(x, orientation="row"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Capability gate.
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fmt", "message"),
+    [
+        ({"missing": ("float8_e8m0fnu",)}, "mxfp8_e4m3",
+         r"torch_npu\.float8_e8m0fnu, missing from torch_npu 2\.1\.0: it is too old.*v26\.0\.0"),
+        ({"missing": ("hifloat8",)}, "hif8", r"torch_npu\.hifloat8, missing .* too old"),
+        ({"device_name": "Ascend910B1"}, "hif8", r"needs an Ascend950 .* 'Ascend910B1'"),
+        ({"available": False}, "mxfp8_e4m3", r"is_available\(\) is False"),
+        ({"missing": ("npu_dynamic_mx_quant_with_dual_axis",)}, "mxfp8_e4m3",
+         r"torch_npu\.npu_dynamic_mx_quant_with_dual_axis, missing"),
+        ({"missing": ("npu_grouped_matmul",)}, "hif8", r"torch_npu\.npu_grouped_matmul, missing"),
+    ],
+    ids=["old-e8m0", "old-hif8", "soc", "no-device", "mx-op", "gmm-op"],
+)
+def test_capability_gate_names_the_missing_piece(install_fake_npu, kwargs, fmt, message):
+    install_fake_npu(version="2.1.0", **kwargs)
+    with pytest.raises(LowPrecisionUnsupportedError, match=message):
+        check_npu_capability(fmt)
+    assert resolve_backend(fmt, "npu:0") == "emulated"  # auto never picks a backend that cannot run
+    with pytest.raises(LowPrecisionUnsupportedError):
+        resolve_backend(fmt, "cpu", backend="npu")
+
+
+def test_capability_gate_passes_on_a_complete_950(install_fake_npu, no_torch_npu):
+    not_installed = r"not installed\. Install it with pip install 'lp-lightning\[npu\]'"
+    with pytest.raises(LowPrecisionUnsupportedError, match=not_installed):
+        check_npu_capability("hif8")
+    install_fake_npu(missing=("npu_dynamic_mx_quant",))  # HiF8 does not need the MX quantize ops
+    check_npu_capability("hif8")
+    with pytest.raises(LowPrecisionUnsupportedError, match="npu_dynamic_mx_quant"):
+        check_npu_capability("mxfp8_e4m3")
+    assert resolve_backend("hif8", "npu:0") == "npu" and resolve_backend("hif8", "cpu") == "emulated"
+
+
+# ------------------------------------------------------------------------------------------------
+# No fallback.
+
+
+def test_a_failing_npu_op_propagates_without_any_fallback(fake_npu, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("aclnnQuantMatmulV5 failed: unsupported shape")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the emulated backend must not run when the npu backend was selected")
+
+    monkeypatch.setattr(fake_npu, "npu_quant_matmul", broken)
+    monkeypatch.setattr(emulated.EmulatedBackend, "matmul", forbidden)
+    left, right = _dense("mx", "NT")
+    with record_gemms() as events, pytest.raises(RuntimeError, match="aclnnQuantMatmulV5 failed"):
+        low_precision_matmul(left, right, layout="NT", output_dtype=BF16, backend="npu")
+    assert events == []
+
+
+def test_a_mis_shaped_npu_result_is_refused(fake_npu, monkeypatch):
+    real = fake_npu.npu_quant_matmul
+    monkeypatch.setattr(fake_npu, "npu_quant_matmul", lambda *a, **k: real(*a, **k).float())
+    left, right = _dense("hif8", "NT")
+    expected = r"returned \(80, 100\) torch.float32, but the contract is \(80, 100\) torch.bfloat16"
+    with pytest.raises(RuntimeError, match=expected):
+        low_precision_matmul(left, right, layout="NT", output_dtype=BF16, backend="npu")
