@@ -1,5 +1,10 @@
-"""HF transformers DeepSeek-V3: random-init build from a config, named specs, spec validation (§4.1)."""
+"""HF transformers DeepSeek-V3: random-init build from a config, named specs, spec validation (§4.1),
+and the routed-experts adapter of the low-precision replacement (§5.2)."""
 
+from lp_lightning.models.deepseek_v3.experts import (
+    DeepseekV3LowPrecisionExperts,
+    replace_deepseek_v3_low_precision_experts,
+)
 from lp_lightning.models.deepseek_v3.report import (
     StructureReport,
     expected_structure,
@@ -19,6 +24,8 @@ from lp_lightning.models.deepseek_v3.spec import (
 )
 
 __all__ = [
+    "DeepseekV3LowPrecisionExperts",
+    "replace_deepseek_v3_low_precision_experts",
     "SPECS",
     "SpecName",
     "SpecValidationError",
