@@ -1,0 +1,265 @@
+"""FSDP2 multi-storage extension of low-precision weights: shard legality, fallback, gather policy (seed §9, §13.5).
+
+The extension itself is the pair of methods torch's FSDP2 calls on a sharded parameter's local
+tensor, ``QuantizedWeightTensor.fsdp_pre_all_gather(mesh, outer_size, outer_stride, module,
+mp_policy)`` and ``.fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)``
+(``lp_lightning.formats.weight``). This module holds what surrounds them, all through public
+APIs (no private FSDP state is read):
+
+**Why a fixed schema.** FSDP2 sizes a parameter's all-gather output buffers once, from the first
+call's (count, numel, dtype) of the physical tensors, and re-uses them. The seed's direction table
+(§9.1: MXFP8 forward with ``reshard_after_forward=true`` gathers one orientation, otherwise two)
+is therefore realised as one schema per weight: ``(data, scale)`` slots whose contents are the
+forward orientation in forward and the dgrad orientation in backward, or four slots (both
+orientations) in every gather when the gathered copy must serve both passes.
+
+**Why the phase comes from autograd.** FSDP2 passes no phase argument. A gather runs in backward
+exactly when the autograd engine is executing a graph task on this thread
+(``torch._C._current_graph_task_id() != -1``): pre-backward unshard, backward prefetch, and the
+forward re-run of ``activation_checkpoint="full"``. Whether the forward copy survives into backward
+is configuration (``reshard_after_forward``, activation checkpointing), which the weight is told at
+finalize time as a :class:`~lp_lightning.formats.weight.GatherPolicy` — see :func:`gather_policy_for`.
+
+**Shard legality** (§9.1–9.2, :func:`check_shard_legality`): FSDP2 shards dim 0. MXFP8 dense
+``[M, K]`` needs every rank's ``M_local % 64 == 0``; MXFP8 grouped ``[E, D1, D2]`` needs
+``(E_local * D1) % 64 == 0``; HiF8 has no tile rule (its scale is per tensor, MAX-reduced, or per
+expert, and dim-0 sharding never splits an expert). Uneven sharding (FSDP padding) and empty
+local shards are handled by the gather layout.
+
+**Fallback** (:func:`plan_low_precision_sharding`): an illegal weight either fails at startup
+(``fallback_to_unsharded=false``; ``ValueError`` naming FQN, shape, world size and rule) or stays
+replicated (``true``). Replicated means: the owning module gets its own ``fully_shard`` over the
+2-D mesh of :func:`replicated_fallback_mesh` — shape ``(W, 1)``, dims ``("dp_replicate",
+"dp_shard")`` — i.e. HSDP with a shard group of one rank. Every rank then holds the full master and
+the full low-precision storage, gradients are all-reduced over the replicate dim by FSDP2 (unlike
+``ignored_params``, which would leave replicas to diverge), the extension still runs (a one-rank
+"gather" of the low-precision bytes), and the module's GEMMs stay low precision. That
+``fully_shard`` call must come before the one of the enclosing decoder layer so the parameters
+are not also claimed by the layer's group.
+
+Order of calls for the FSDP2 owner (seed §12.1)::
+
+    plan.apply(model)                                    # replacement (issue 4)
+    finalize_low_precision_weights(model, recipe=policy, build=False,
+                                   gather_policy=gather_policy_for(reshard_after_forward=rafs, activation_checkpoint=ac))
+    sharding = plan_low_precision_sharding(model, world_size, fallback_to_unsharded=flag)
+    if sharding.replicated_modules:                      # one (W, 1) mesh, created once on every rank
+        replicate_mesh = replicated_fallback_mesh(device_type, world_size)
+    for fqn in sharding.replicated_modules:              # before the layers that contain them
+        fully_shard(model.get_submodule(fqn), mesh=replicate_mesh, reshard_after_forward=rafs, ...)
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=rafs, ...) for each layer; fully_shard(model, ...)
+    refresh_low_precision_weights(model.parameters())    # build the shards (every rank)
+    optimizer = AdamW(model.parameters())                # FP32 masters, FP32 moments
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from lp_lightning.formats.operand import LowPrecisionFormat
+from lp_lightning.formats.weight import (
+    GatherPolicy,
+    QuantizedWeightTensor,
+    WeightKind,
+    current_gather_phase,
+    iter_low_precision_weights,
+    mx_shard_rule_violation,
+    shard_rows,
+)
+
+__all__ = [
+    "LowPrecisionShardingPlan",
+    "ReplicatedWeight",
+    "check_shard_legality",
+    "current_gather_phase",
+    "gather_policy_for",
+    "plan_low_precision_sharding",
+    "replicated_fallback_mesh",
+    "set_gather_policy",
+    "shard_rows",
+]
+
+
+def check_shard_legality(
+    fqn: str,
+    shape: tuple[int, ...],
+    kind: WeightKind | str,
+    world_size: int,
+    format: LowPrecisionFormat | str,
+) -> str | None:
+    """Whether FSDP2 dim-0 sharding over ``world_size`` ranks is legal for one weight (seed §9.1–9.2).
+
+    Args:
+        fqn: Parameter FQN (named in the reason).
+        shape: Full logical parameter shape (dense ``[M, K]``, grouped ``[E, D1, D2]``).
+        kind: ``"dense"`` or ``"grouped"``.
+        world_size: FSDP shard-group size (≥ 1).
+        format: ``"mxfp8_e4m3"`` or ``"hif8"``.
+
+    Returns:
+        ``None`` when legal, else a sentence naming the FQN, shape, world size and rule.
+
+    Raises:
+        ValueError: ``world_size < 1``, or a shape of the wrong rank for ``kind``.
+    """
+    kind, fmt = WeightKind.parse(kind), LowPrecisionFormat.parse(format)
+    if world_size < 1:
+        raise ValueError(f"check_shard_legality({fqn!r}): world_size must be >= 1, got {world_size}.")
+    want = 2 if kind is WeightKind.DENSE else 3
+    if len(shape) != want:
+        raise ValueError(f"check_shard_legality({fqn!r}): a {kind.value} weight is {want}-D, got shape {tuple(shape)}.")
+    if fmt is LowPrecisionFormat.HIF8:
+        return None  # per-tensor (MAX-reduced) or per-expert scale: any dim-0 split is exact
+    reason = mx_shard_rule_violation(kind, tuple(shape), world_size)
+    if reason is None:
+        return None
+    return f"{fqn}: shape {tuple(shape)} over world size {world_size}: {reason}"
+
+
+@dataclass(frozen=True)
+class ReplicatedWeight:
+    """A weight kept replicated by ``fallback_to_unsharded`` (seed §9.1).
+
+    Attributes:
+        fqn: Parameter FQN.
+        module_fqn: FQN of the module that owns it (gets its own replicated ``fully_shard``).
+        shape: Logical shape.
+        reason: The violated rule.
+    """
+
+    fqn: str
+    module_fqn: str
+    shape: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class LowPrecisionShardingPlan:
+    """How every low-precision weight will be placed (for the FSDP2 owner and the run summary).
+
+    Attributes:
+        world_size: FSDP shard-group size checked.
+        sharded: FQNs of weights sharded on dim 0.
+        replicated: Weights kept replicated (only with ``fallback_to_unsharded=True``).
+    """
+
+    world_size: int
+    sharded: tuple[str, ...]
+    replicated: tuple[ReplicatedWeight, ...]
+
+    @property
+    def replicated_modules(self) -> tuple[str, ...]:
+        """Module FQNs to ``fully_shard`` over :func:`replicated_fallback_mesh` (deduplicated, in order)."""
+        return tuple(dict.fromkeys(w.module_fqn for w in self.replicated))
+
+
+def plan_low_precision_sharding(
+    module: nn.Module, world_size: int, *, fallback_to_unsharded: bool
+) -> LowPrecisionShardingPlan:
+    """Check every low-precision weight of ``module`` against the shard rules, before ``fully_shard``.
+
+    Args:
+        module: The model after :func:`~lp_lightning.formats.weight.finalize_low_precision_weights`.
+        world_size: FSDP shard-group size (the ``dp_shard`` mesh size).
+        fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``.
+
+    Returns:
+        The :class:`LowPrecisionShardingPlan`.
+
+    Raises:
+        TypeError: ``fallback_to_unsharded`` is not a bool, or a weight is already sharded.
+        ValueError: with ``fallback_to_unsharded=False``, listing every illegal weight (FQN, shape,
+            world size, rule) and the fix.
+    """
+    if not isinstance(fallback_to_unsharded, bool):
+        raise TypeError(f"fallback_to_unsharded must be a bool, got {fallback_to_unsharded!r}.")
+    sharded: list[str] = []
+    replicated: list[ReplicatedWeight] = []
+    for fqn, param in iter_low_precision_weights(module):
+        if not isinstance(param, QuantizedWeightTensor):
+            raise TypeError(f"{fqn}: already sharded; plan low-precision sharding before fully_shard.")
+        reason = check_shard_legality(fqn, tuple(param.shape), param.kind, world_size, param.format)
+        if reason is None:
+            sharded.append(fqn)
+        else:
+            module_fqn = fqn.rpartition(".")[0]
+            replicated.append(ReplicatedWeight(fqn, module_fqn, tuple(param.shape), reason))
+    if replicated and not fallback_to_unsharded:
+        lines = "\n  ".join(w.reason for w in replicated)
+        raise ValueError(
+            f"{len(replicated)} low-precision weight(s) cannot be sharded over {world_size} ranks (seed §9.1):\n  "
+            f"{lines}\nSet fsdp_config.fallback_to_unsharded=true to keep them replicated (their GEMMs stay low "
+            "precision), or choose a world size that satisfies the rule."
+        )
+    # A replicated module's other low-precision weights go with it (one fully_shard unit per module).
+    moved = {w.module_fqn for w in replicated}
+    keep = [fqn for fqn in sharded if fqn.rpartition(".")[0] not in moved]
+    for fqn, param in iter_low_precision_weights(module):
+        if fqn in sharded and fqn not in keep:
+            reason = f"{fqn}: shares its module with a replicated weight"
+            replicated.append(ReplicatedWeight(fqn, fqn.rpartition(".")[0], tuple(param.shape), reason))
+    return LowPrecisionShardingPlan(world_size=world_size, sharded=tuple(keep), replicated=tuple(replicated))
+
+
+def replicated_fallback_mesh(device_type: str, world_size: int) -> torch.distributed.device_mesh.DeviceMesh:
+    """The ``(W, 1)`` HSDP mesh ``("dp_replicate", "dp_shard")`` for replicated fallback weights.
+
+    Creating a mesh creates process groups (a collective on every rank): call it once and reuse
+    the mesh for every replicated module.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
+        world_size: Number of ranks (the default process group's size).
+
+    Returns:
+        A 2-D ``DeviceMesh``; pass it to ``fully_shard`` of the modules in
+        ``LowPrecisionShardingPlan.replicated_modules``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def gather_policy_for(*, reshard_after_forward: bool, activation_checkpoint: Literal["off", "full"]) -> GatherPolicy:
+    """The :class:`~lp_lightning.formats.weight.GatherPolicy` of a run's FSDP2 settings.
+
+    Args:
+        reshard_after_forward: ``fsdp_config.reshard_after_forward`` (passed explicitly to every
+            ``fully_shard`` call, including the root's).
+        activation_checkpoint: ``"off"`` or ``"full"``.
+
+    Returns:
+        The policy (MXFP8 gathers one orientation per pass only for ``True`` + ``"off"``).
+    """
+    return GatherPolicy(reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint)
+
+
+def set_gather_policy(params: Iterable[torch.Tensor] | nn.Module, policy: GatherPolicy) -> int:
+    """Set the gather policy of every low-precision weight (plain or sharded) before the first forward.
+
+    Args:
+        params: A module or an iterable of parameters.
+        policy: The new policy.
+
+    Returns:
+        Number of weights updated.
+
+    Raises:
+        ValueError: a weight was already all-gathered with another policy (FSDP2 fixed its buffers).
+    """
+    from lp_lightning.distributed.refresh import local_low_precision_weight
+
+    if isinstance(params, nn.Module):
+        params = [p for _, p in iter_low_precision_weights(params)]
+    count = 0
+    for param in params:
+        local = local_low_precision_weight(param)
+        if local is not None:
+            local.gather_policy = policy
+            count += 1
+    return count
