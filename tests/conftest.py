@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+
 # Tests share 2 cores; keep intra-op threads bounded so multi-process tests do not oversubscribe.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -11,3 +13,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _codec_kernels(request):
+    """Eager codec kernels unless a test is marked ``compiled``.
+
+    The fused (torch.compile) kernels are bit-identical to eager — the ``compiled`` tests prove it —
+    but compiling them costs tens of seconds per graph on a cold 2-core machine; in-process tests
+    have no reason to pay that. End-to-end runs in subprocesses use the production default.
+    """
+    previous = compiled_kernels_enabled()
+    set_compiled_kernels(request.node.get_closest_marker("compiled") is not None)
+    yield
+    set_compiled_kernels(previous)

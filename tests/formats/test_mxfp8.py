@@ -501,15 +501,16 @@ def _kernel_inputs(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.compiled
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_kernels_equal_eager_bit_for_bit(dtype):
-    set_compiled_kernels(True)
-    x = _kernel_inputs(dtype)
+    # Tiled past MIN_FUSED_NUMEL so that the wrappers really take the compiled path.
+    x = _kernel_inputs(dtype).repeat(8, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a compile failure would fall back silently-ish
         for kernel, arg in (
             (mxfp8._quantize_row_blocks, x.view(-1, 32)),
-            (mxfp8._quantize_col_blocks, x.view(3, 32, 64)),
+            (mxfp8._quantize_col_blocks, x.view(-1, 32, 64)),
         ):
             fused_out = kernel(arg)
             eager_out = kernel.eager(arg)
