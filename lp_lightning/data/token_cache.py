@@ -276,6 +276,24 @@ def _atomic_write_bytes(target: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _remove_orphaned_temp_files(folder: Path) -> None:
+    """Deletes ``.<name>.<pid>.<uuid>.tmp`` files left by a builder that was killed (e.g. SIGTERM
+    skips the ``finally`` clean-up). A file whose writer process is still alive is left alone."""
+    for tmp in folder.glob(".*.tmp"):
+        parts = tmp.name.rsplit(".", 3)  # [".<name>", "<pid>", "<uuid>", "tmp"]
+        if len(parts) != 4 or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # alive, owned by someone else
+            continue
+
+
 def _tokenise_to(tmp_path: Path, corpus: Corpus, tokenizer: Tokenizer, dtype: np.dtype
                  ) -> tuple[int, str]:
     """Writes the token stream of ``corpus`` to ``tmp_path``; returns (n_tokens, sha256 hex)."""
@@ -356,6 +374,7 @@ def build_token_cache(
         return TokenCache(bin_path, meta, built=False)
 
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_orphaned_temp_files(folder)
     dtype = token_dtype_for(tok.vocab_size)
     tmp = bin_path.with_name(f".{bin_path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:

@@ -224,3 +224,20 @@ def test_cache_split_range(text_dir: Path, cache_dir: Path, docs):
     assert s0 == cache.n_tokens - len(docs["sub/d.rst"].encode()) - 1  # = the last document
     with pytest.raises(ValueError, match="split must be one of"):
         cache.split_range("test")
+
+
+def test_orphaned_temp_file_of_a_killed_builder_is_removed(text_dir: Path, cache_dir: Path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)  # a process that has exited (a SIGTERM'd builder leaves this behind)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    orphan = cache_dir / f".abc.bin.{dead_pid}.0123456789abcdef.tmp"
+    orphan.write_bytes(b"\0" * 64)
+    live = cache_dir / f".abc.bin.{os.getppid()}.fedcba9876543210.tmp"  # writer still alive: kept
+    live.write_bytes(b"\0" * 64)
+    build_token_cache([str(text_dir)], "byte", cache_dir)
+    assert not orphan.exists()
+    assert live.exists()
