@@ -7,8 +7,14 @@ equal): ``dsv3-tiny`` on the running Python's standard-library sources with the 
 
 Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
 
-* ``--precision {bf16}``: the precision plugin (``mxfp8`` / ``hif8`` arrive with issue 4); an
-  unknown value fails while parsing, naming the choices.
+* ``--precision {bf16,mxfp8,hif8}``: the precision plugin
+  (:class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`); it maps onto
+  ``LowPrecisionConfig.from_precision`` (``mxfp8`` = ``mxfp8_e4m3+mx_block``, ``hif8`` =
+  ``hif8+current``). An unknown value fails while parsing, naming the choices.
+* ``--low_precision.*`` (optional; the seed §4.2 ``low_precision:`` YAML section):
+  :class:`~lp_lightning.policy.LowPrecisionConfig`. It states the same choice long-hand; an illegal
+  ``format``/``scaling`` pair, or a section that disagrees with ``--precision``, fails while
+  parsing (exit status 2), before any model is built.
 * ``--fsdp_config.*``: :class:`~lp_lightning.config.FSDP2Config` (seed §4.3); unsupported values
   (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built.
 * ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from jsonargparse import Namespace
 
@@ -49,6 +55,7 @@ from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.strategy import FSDP2Strategy
+from lp_lightning.policy import LowPrecisionConfig
 
 __all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config"]
 
@@ -102,7 +109,16 @@ class LPLightningCLI(LightningCLI):
             "--precision",
             type=PrecisionMode,
             default="bf16",
-            help="GEMM precision: bf16 (BF16 compute, FP32 master weights and gradient reduction).",
+            help=(
+                "GEMM precision: bf16 (BF16 compute, FP32 master weights and gradient reduction), mxfp8 "
+                "(mxfp8_e4m3 + mx_block) or hif8 (hif8 + current) for the planned DeepSeek-V3 GEMMs."
+            ),
+        )
+        parser.add_argument(
+            "--low_precision",
+            type=Optional[LowPrecisionConfig],
+            default=None,
+            help="Seed §4.2 low_precision section (enabled/format/scaling); must agree with --precision.",
         )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
@@ -112,18 +128,29 @@ class LPLightningCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parses, then validates ``fsdp_config`` so that unsupported values fail as a usage error.
+        """Parses, then validates ``fsdp_config`` and ``low_precision`` so bad values fail as a usage error.
 
-        ``FSDP2Config.__post_init__`` runs here, before any class is instantiated, and its
-        message (naming ``fsdp_config.<key>``) is printed as ``error: ...`` with exit status 2.
+        ``FSDP2Config.__post_init__`` and ``LowPrecisionConfig.__post_init__`` run here, before
+        any class is instantiated, and their messages (naming ``fsdp_config.<key>`` / the illegal
+        ``format+scaling`` pair and the legal ones) are printed as ``error: ...`` with exit status 2.
         """
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         section = self.config[subcommand] if subcommand else self.config
+        target = self._subcommand_parsers[subcommand] if subcommand else parser
         try:
             FSDP2Config(**section["fsdp_config"].as_dict())
+            low_precision = section.get("low_precision")
+            if low_precision is not None:
+                values = low_precision.as_dict() if isinstance(low_precision, Namespace) else dict(vars(low_precision))
+                config = LowPrecisionConfig.from_dict(values)
+                if config.precision_name.value != section["precision"]:
+                    raise ValueError(
+                        f"low_precision ({config.format}+{config.scaling}, enabled={config.enabled}) selects "
+                        f"--precision {config.precision_name.value}, but precision={section['precision']!r}; "
+                        f"set `precision: {config.precision_name.value}` or remove the low_precision section."
+                    )
         except (TypeError, ValueError) as err:
-            target = self._subcommand_parsers[subcommand] if subcommand else parser
             target.error(str(err))
 
     @override

@@ -10,7 +10,6 @@ import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import LPLightningCLI, main, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-NEEDS_ISSUE_4 = {"dsv3_16b_mxfp8.yaml", "dsv3_16b_hif8.yaml"}
 
 
 def _as_dict(namespace) -> dict:
@@ -30,20 +29,61 @@ def test_code_defaults_equal_the_tiny_yaml():
 
 def _cli_configs() -> list:
     # LightningCLI configs only (configs/plan_*.yaml are replacement plans, not CLI configs).
-    params = []
-    for path in sorted(CONFIGS.glob("dsv3_*.yaml")):
-        marks = ()
-        if path.name in NEEDS_ISSUE_4:
-            marks = pytest.mark.xfail(raises=SystemExit, strict=True, reason="--precision mxfp8/hif8 needs issue 4")
-        params.append(pytest.param(path, id=path.name, marks=marks))
-    return params
+    return [pytest.param(path, id=path.name) for path in sorted(CONFIGS.glob("dsv3_*.yaml"))]
 
 
 @pytest.mark.parametrize("path", _cli_configs())
 def test_every_cli_config_parses(path):
     config = parse_config(["--config", str(path)])
-    assert config.precision == "bf16"
+    precision = {"dsv3_16b_mxfp8.yaml": "mxfp8", "dsv3_16b_hif8.yaml": "hif8"}.get(path.name, "bf16")
+    assert config.precision == precision
     assert config.fsdp_config.comm_fusion is False
+    if precision != "bf16":
+        section = config.low_precision.as_dict()
+        pair = {"mxfp8": ("mxfp8_e4m3", "mx_block"), "hif8": ("hif8", "current")}[precision]
+        assert section == {"enabled": True, "format": pair[0], "scaling": pair[1]}
+
+
+def test_16b_low_precision_configs_equal_the_bf16_baseline():
+    """Seed §17.4: same effective training configuration; only precision (and MXFP8's fallback) differ."""
+    base = _as_dict(parse_config(["--config", str(CONFIGS / "dsv3_16b_bf16.yaml")]))
+    for name in ("mxfp8", "hif8"):
+        other = _as_dict(parse_config(["--config", str(CONFIGS / f"dsv3_16b_{name}.yaml")]))
+        differing = {k for k in base if base[k] != other[k]}
+        assert differing == {"precision", "low_precision", "run_summary", "trainer", "fsdp_config"} - (
+            {"fsdp_config"} if name == "hif8" else set()
+        ), name
+        assert {k for k in base["trainer"] if base["trainer"][k] != other["trainer"][k]} == {"default_root_dir"}
+    mx = parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml")])
+    assert mx.fsdp_config.fallback_to_unsharded is True
+
+
+def test_16b_mxfp8_fallback_list_is_the_shard_rule():
+    """The weights dsv3_16b_mxfp8.yaml's comment says stay replicated over 8 ranks (seed §9.1)."""
+    import torch
+
+    from lp_lightning.formats.weight import mx_shard_rule_violation
+    from lp_lightning.models.deepseek_v3 import build_meta_model
+    from lp_lightning.plan import compile_plan, deepseek_v3_default_rules
+    from lp_lightning.policy import LowPrecisionConfig
+
+    model = build_meta_model("dsv3-16b")
+    plan = compile_plan(model, deepseek_v3_default_rules(model.config), LowPrecisionConfig.from_precision("mxfp8").to_policy())
+    illegal = []
+    for entry in plan.entries:
+        module = model.get_submodule(entry.fqn)
+        for name in ("weight",) if isinstance(module, torch.nn.Linear) else ("gate_up_proj", "down_proj"):
+            shape = tuple(getattr(module, name).shape)
+            if mx_shard_rule_violation("dense" if len(shape) == 2 else "grouped", shape, 8):
+                illegal.append((f"{entry.fqn}.{name}".split(".", 3)[-1], shape))
+    assert len(illegal) == 28 + 2 + 2 * 27  # kv_a_proj_with_mqa per layer, dense gate/up, shared gate/up
+    assert set(illegal) == {
+        ("self_attn.kv_a_proj_with_mqa.weight", (3136, 2048)),
+        ("mlp.gate_proj.weight", (10944, 2048)),
+        ("mlp.up_proj.weight", (10944, 2048)),
+        ("mlp.shared_experts.gate_proj.weight", (2816, 2048)),
+        ("mlp.shared_experts.up_proj.weight", (2816, 2048)),
+    }
 
 
 def test_16b_bf16_config_is_the_seed_node_setup():
@@ -62,11 +102,42 @@ def no_model_build(monkeypatch):
 
 def test_unknown_precision_fails_while_parsing(capsys, no_model_build):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--precision", "mxfp8"])
+        main(["fit", "--precision", "fp8"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert 'Parser key "precision"' in err and "'bf16'" in err and "mxfp8" in err
+    assert 'Parser key "precision"' in err and "fp8" in err
+    assert "'bf16', 'mxfp8', 'hif8'" in err
     assert no_model_build == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--precision", "hif8", "--low_precision.enabled", "true", "--low_precision.format", "hif8",
+          "--low_precision.scaling", "mx_block"], "illegal low-precision pair hif8+mx_block; the legal pairs are "
+                                                 "mxfp8_e4m3+mx_block, hif8+current"),
+        (["--precision", "mxfp8", "--low_precision.enabled", "true", "--low_precision.format", "mxfp8_e4m3",
+          "--low_precision.scaling", "current"], "illegal low-precision pair mxfp8_e4m3+current"),
+        (["--precision", "hif8", "--low_precision.enabled", "true", "--low_precision.format", "hif8",
+          "--low_precision.scaling", "delayed"], "delayed"),
+        (["--precision", "mxfp8", "--low_precision.enabled", "true", "--low_precision.format", "hif8",
+          "--low_precision.scaling", "current"], "selects --precision hif8, but precision='mxfp8'"),
+    ],
+)
+def test_illegal_low_precision_section_fails_while_parsing(capsys, no_model_build, options, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *options])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "low_precision" in err
+    assert no_model_build == []
+
+
+def test_low_precision_section_agreeing_with_precision_parses():
+    config = parse_config(["--precision", "hif8", "--low_precision.enabled", "true", "--low_precision.format", "hif8",
+                           "--low_precision.scaling", "current"])
+    assert config.precision == "hif8" and config.low_precision.scaling == "current"
+    assert parse_config([]).low_precision is None
 
 
 @pytest.mark.parametrize(
@@ -99,11 +170,19 @@ def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     assert isinstance(trainer.strategy, FSDP2Strategy)
     assert trainer.strategy.fsdp_config.reshard_after_forward is False
     assert isinstance(trainer.precision_plugin, LowPrecisionPlugin) and trainer.precision_plugin.mode == "bf16"
+    assert trainer.precision_plugin.policy.enabled is False
     assert trainer.logger.save_dir == str(tmp_path)
     summary = [c for c in trainer.callbacks if isinstance(c, RunSummaryCallback)]
     assert len(summary) == 1 and summary[0].precision == "bf16"
     checkpoint = [c for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)]
     assert len(checkpoint) == 1 and checkpoint[0].every_n_steps == 20
+
+
+def test_cli_maps_precision_onto_the_plugin_policy(tmp_path):
+    cli = LPLightningCLI(args=["--trainer.default_root_dir", str(tmp_path), "--precision", "hif8"], run=False)
+    plugin = cli.trainer.precision_plugin
+    assert plugin.mode == "hif8" and plugin.policy.as_dict() == {
+        "enabled": True, "format": "hif8", "scaling": "current", "recipe_name": "hif8_current"}
 
 
 def test_validate_model_is_dispatched(capsys):

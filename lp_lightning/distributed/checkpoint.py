@@ -21,6 +21,14 @@ DCP keys (read them with :func:`checkpoint_tensor_keys`):
   the same HF names: ``optimizer.state.<fqn>.exp_avg`` / ``.exp_avg_sq`` (FP32) /
   ``.step``, plus ``optimizer.param_groups.*``.
 
+Low-precision runs (``mxfp8``/``hif8``): a low-precision weight's Parameter is a
+``QuantizedWeightTensor`` (FP32 master + derived 8-bit storage); a state-dict post hook of its
+module (``lp_lightning.formats.weight``) exposes the plain FP32 master shard under the same HF key,
+so the checkpoint holds no tensor subclass and no derived data/scale, loads with
+``weights_only=True``, into a plain HF ``DeepseekV3ForCausalLM`` (``dcp.load`` without a process
+group) and into a run of any precision. Loading copies into the master in place; the strategies then
+rebuild the 8-bit storage from it once (``LowPrecisionFabricPlugin.rebuild_after_load``, seed §11).
+
 Both views come from ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
 ``get_optimizer_state_dict`` on the *HF module* (not on a wrapper such as the LightningModule,
 which would prefix every key with its attribute name), and are restored with the matching

@@ -17,7 +17,18 @@ holds identical weights) and applies, in this order and nowhere else:
    kept in FP32 inside a BF16 model (HF's ``_keep_in_fp32_modules_strict``: the DeepSeek-V3 MoE
    router ``mlp.gate``) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
    routing is computed from FP32 weights exactly as in the unsharded model.
-4. **activation checkpointing** per decoder layer when ``activation_checkpoint="full"``:
+   With low-precision weights (``mxfp8``/``hif8``; the conversion finalized them with unbuilt
+   storage) the shard rules of seed §9.1 are checked first
+   (:func:`~lp_lightning.distributed.fsdp_extension.plan_low_precision_sharding`): an illegal
+   weight fails here naming FQN, shape, world size and rule, or, with
+   ``fallback_to_unsharded=True``, its module is sharded first over the ``(W, 1)`` replicated
+   fallback mesh (one mesh for all of them), so it stays replicated and still computes in low
+   precision. ``reshard_after_forward`` is passed explicitly to every ``fully_shard``, the
+   root's included (the MXFP8 gather policy depends on it).
+4. **refresh** (low precision only): ``refresh_low_precision_weights`` builds every
+   low-precision shard once from its FP32 master shard (``fully_shard`` created fresh, unbuilt
+   shards; seed §10).
+5. **activation checkpointing** per decoder layer when ``activation_checkpoint="full"``:
    ``checkpoint_wrapper(..., CheckpointImpl.NO_REENTRANT)`` around the sharded layer. The wrapper
    inserts ``_checkpoint_wrapped_module`` into ``named_parameters()`` FQNs, but its state-dict hooks
    strip it, so ``state_dict()`` and ``torch.distributed.checkpoint.state_dict`` keys stay the HF
@@ -27,13 +38,17 @@ The optimizer is created afterwards (Lightning's ``setup_optimizers``), over the
 Parameters.
 
 Only torch is imported here (no Lightning): the Trainer strategy and the Fabric strategy in
-``lp_lightning/lightning/strategy.py`` both call these functions.
+``lp_lightning/lightning/strategy.py`` both call these functions. The low-precision modules
+(:mod:`lp_lightning.distributed.fsdp_extension`, :mod:`lp_lightning.distributed.refresh`) are
+imported only when the model holds low-precision weights, so a ``bf16`` run never imports the
+format layer.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -48,8 +63,10 @@ __all__ = [
     "ParallelizationRecord",
     "apply_activation_checkpointing",
     "build_dp_mesh",
+    "clip_gradients_",
     "decoder_layers",
     "default_mixed_precision_policy",
+    "has_low_precision_weights",
     "is_parallelized",
     "modules_kept_in_fp32",
     "parallelize_causal_lm",
@@ -237,9 +254,31 @@ def modules_kept_in_fp32(module: nn.Module) -> tuple[str, ...]:
     kept = []
     for fqn, sub in module.named_modules():
         own = list(sub.parameters(recurse=False))
+        if any(_is_low_precision_weight(p) for p in own):
+            continue  # FP32 masters of low-precision weights, gathered as 8-bit payloads
         if fqn and own and all(p.dtype == torch.float32 for p in own):
             kept.append(fqn)
     return tuple(kept)
+
+
+def _is_low_precision_weight(param: torch.Tensor) -> bool:
+    """Whether ``param`` (or a DTensor's local shard) is a ``QuantizedWeightTensor``.
+
+    Checked through ``sys.modules``: when :mod:`lp_lightning.formats.weight` was never imported no
+    such weight can exist, and a ``bf16`` run does not import it here either.
+    """
+    weight = sys.modules.get("lp_lightning.formats.weight")
+    if weight is None:
+        return False
+    if isinstance(param, DTensor):
+        with torch.no_grad():
+            param = param.to_local()
+    return isinstance(param, weight.QuantizedWeightTensor)
+
+
+def has_low_precision_weights(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a low-precision weight (plain or sharded)."""
+    return any(_is_low_precision_weight(p) for p in module.parameters())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -248,8 +287,10 @@ class ParallelizationRecord:
 
     Args:
         steps: The build steps in the order they ran, from ``("convert_module", "upcast_fp32",
-            "fully_shard", "activation_checkpoint")``; ``"convert_module"`` is absent when the
-            caller converted the module itself (Fabric does so before ``setup_module``).
+            "fully_shard", "refresh_low_precision", "activation_checkpoint")``;
+            ``"convert_module"`` is absent when the caller converted the module itself (Fabric
+            does so before ``setup_module``), ``"refresh_low_precision"`` when the model holds no
+            low-precision weight (``bf16``).
         mesh_shape: Shape of the data-parallel mesh, ``(dp_shard_size,)``.
         upcast_params: Number of Parameters cast to FP32.
         sharded_modules: Number of ``fully_shard`` calls (FP32-compute modules + decoder layers +
@@ -261,6 +302,10 @@ class ParallelizationRecord:
         param_dtype: FSDP2 compute dtype of the all-gathered parameters (``str``, e.g.
             ``"torch.bfloat16"``).
         reduce_dtype: FSDP2 gradient reduce-scatter dtype.
+        low_precision_weights: Number of low-precision weights (0 in ``bf16``).
+        replicated_low_precision: ``(fqn, reason)`` of the low-precision weights kept replicated by
+            ``fallback_to_unsharded`` (seed §9.1); their modules were sharded over the ``(W, 1)``
+            fallback mesh.
     """
 
     steps: tuple[str, ...]
@@ -272,6 +317,8 @@ class ParallelizationRecord:
     reshard_after_forward: bool
     param_dtype: str
     reduce_dtype: str
+    low_precision_weights: int = 0
+    replicated_low_precision: tuple[tuple[str, str], ...] = field(default=())
 
 
 def parallelize_causal_lm(
@@ -282,6 +329,7 @@ def parallelize_causal_lm(
     reshard_after_forward: bool,
     activation_checkpoint: ActivationCheckpointMode,
     convert_module: Callable[[nn.Module], nn.Module] | None = None,
+    fallback_to_unsharded: bool = False,
 ) -> tuple[nn.Module, ParallelizationRecord]:
     """Converts, upcasts, shards and (optionally) recompute-wraps a causal LM, in that order.
 
@@ -294,6 +342,8 @@ def parallelize_causal_lm(
         activation_checkpoint: ``"off"`` or ``"full"``.
         convert_module: The precision plugin's module conversion, or ``None`` when the caller
             already ran it. It must return a module with the same decoder-layer layout.
+        fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``: keep low-precision weights
+            that break the MXFP8 shard rule replicated instead of failing (module docstring).
 
     Returns:
         ``(model, record)``: the model to use from now on (the object ``convert_module`` returned,
@@ -302,7 +352,8 @@ def parallelize_causal_lm(
     Raises:
         TypeError: The model has no ``.model.layers``, is already sharded, or ``convert_module``
             returned something that is not an ``nn.Module``.
-        ValueError: ``mesh`` is not 1-D, or ``activation_checkpoint`` is unknown.
+        ValueError: ``mesh`` is not 1-D, ``activation_checkpoint`` is unknown, or (with
+            ``fallback_to_unsharded=False``) a low-precision weight cannot be sharded over the mesh.
     """
     if mesh.ndim != 1:
         raise ValueError(f"expected a 1-D data-parallel mesh, got a mesh of shape {tuple(mesh.shape)}.")
@@ -328,8 +379,30 @@ def parallelize_causal_lm(
     upcast = upcast_parameters_to_fp32(causal_lm)
     steps.append("upcast_fp32")
 
+    low_precision = has_low_precision_weights(causal_lm)
+    replicated_modules: tuple[str, ...] = ()
+    replicated: tuple[tuple[str, str], ...] = ()
+    num_low_precision = 0
+    if low_precision:
+        from lp_lightning.distributed.fsdp_extension import plan_low_precision_sharding
+
+        sharding = plan_low_precision_sharding(
+            causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded
+        )
+        replicated_modules = sharding.replicated_modules
+        replicated = tuple((w.fqn, w.reason) for w in sharding.replicated)
+        num_low_precision = len(sharding.sharded) + len(sharding.replicated)
+
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
     modules = dict(causal_lm.named_modules())
+    if replicated_modules:  # before the layers that contain them (fsdp_extension docstring)
+        from lp_lightning.distributed.fsdp_extension import replicated_fallback_mesh
+
+        replicate_mesh = replicated_fallback_mesh(mesh.device_type, mesh.size())
+        for fqn in replicated_modules:
+            fully_shard(
+                modules[fqn], mesh=replicate_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+            )
     for fqn in fp32_compute:
         fully_shard(modules[fqn], mesh=mesh, mp_policy=fp32_policy, reshard_after_forward=reshard_after_forward)
     layers = decoder_layers(causal_lm)
@@ -337,6 +410,12 @@ def parallelize_causal_lm(
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(causal_lm, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     steps.append("fully_shard")
+
+    if low_precision:
+        from lp_lightning.distributed.refresh import refresh_low_precision_weights
+
+        refresh_low_precision_weights(causal_lm.parameters())
+        steps.append("refresh_low_precision")
 
     wrapped = apply_activation_checkpointing(causal_lm, activation_checkpoint)
     if wrapped:
@@ -346,14 +425,56 @@ def parallelize_causal_lm(
         steps=tuple(steps),
         mesh_shape=tuple(mesh.shape),
         upcast_params=upcast,
-        sharded_modules=len(fp32_compute) + len(layers) + 1,
+        sharded_modules=len(replicated_modules) + len(fp32_compute) + len(layers) + 1,
         fp32_compute_modules=fp32_compute,
         checkpointed_layers=wrapped,
         reshard_after_forward=reshard_after_forward,
         param_dtype=str(mp_policy.param_dtype),
         reduce_dtype=str(mp_policy.reduce_dtype),
+        low_precision_weights=num_low_precision,
+        replicated_low_precision=replicated,
     )
     return causal_lm, record
+
+
+def _group_by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Tensors grouped by DTensor device mesh (plain tensors form one group): foreach ops cannot mix meshes."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(id(tensor.device_mesh) if isinstance(tensor, DTensor) else 0, []).append(tensor)
+    return list(groups.values())
+
+
+def clip_gradients_(
+    parameters: list[nn.Parameter], *, max_value: float, algorithm: str, total_norm: torch.Tensor | None = None
+) -> None:
+    """Clip gradients in place by global norm (``"norm"``) or element-wise (``"value"``), per device mesh.
+
+    Same result as ``torch.nn.utils.clip_grads_with_norm_`` / ``clip_grad_value_`` over all
+    parameters (every shard is scaled by the one global factor ``max_value / (total_norm + 1e-6)``
+    when that is < 1), but safe when gradients live on several meshes (the replicated fallback
+    modules of :func:`parallelize_causal_lm`).
+
+    Args:
+        parameters: Parameters whose ``.grad`` is set.
+        max_value: Maximum norm or absolute value.
+        algorithm: ``"norm"`` or ``"value"``.
+        total_norm: The total norm from :func:`total_grad_norm` (required for ``"norm"``).
+
+    Raises:
+        ValueError: Unknown ``algorithm``, or ``"norm"`` without ``total_norm``.
+    """
+    grads = [p for p in parameters if p.grad is not None]
+    if algorithm == "value":
+        for group in _group_by_mesh(grads):
+            torch.nn.utils.clip_grad_value_(group, max_value)
+        return
+    if algorithm != "norm":
+        raise ValueError(f"gradient clip algorithm must be 'norm' or 'value', got {algorithm!r}.")
+    if total_norm is None:
+        raise ValueError("clip_gradients_(algorithm='norm') needs total_norm (from total_grad_norm).")
+    for group in _group_by_mesh(grads):
+        torch.nn.utils.clip_grads_with_norm_(group, max_value, total_norm)
 
 
 def total_grad_norm(parameters: list[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
@@ -361,7 +482,8 @@ def total_grad_norm(parameters: list[nn.Parameter], norm_type: float = 2.0) -> t
 
     ``torch.nn.utils.get_total_norm`` on DTensor gradients returns a DTensor with a partial
     (not yet reduced) norm placement; ``full_tensor()`` performs the cross-rank reduction, so the
-    value equals the norm of the unsharded gradient (up to FP32 summation order).
+    value equals the norm of the unsharded gradient (up to FP32 summation order). Gradients on
+    different device meshes (the ``(W, 1)`` replicated fallback mesh) are normed per mesh first.
 
     Args:
         parameters: Parameters whose ``.grad`` is set (FP32 DTensor shards under FSDP2).
@@ -373,7 +495,14 @@ def total_grad_norm(parameters: list[nn.Parameter], norm_type: float = 2.0) -> t
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, error_if_nonfinite=False)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    return total
+    # One norm per device mesh (the replicated fallback modules live on a second mesh, and foreach
+    # norms cannot mix meshes), combined as the p-norm of the per-mesh norms.
+    norms = []
+    for group in _group_by_mesh(grads):
+        total = torch.nn.utils.get_total_norm(group, norm_type=norm_type, error_if_nonfinite=False)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        norms.append(total.to(torch.float32))
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms), ord=norm_type)

@@ -1,5 +1,5 @@
-"""Lightning integration: FSDP2 strategy (Trainer + Fabric), precision plugins, the DeepSeek-V3
-LightningModule, the pretraining datamodule and the job's callbacks."""
+"""Lightning integration: FSDP2 strategy (Trainer + Fabric), precision plugins (bf16 / mxfp8 / hif8),
+the DeepSeek-V3 LightningModule, the pretraining datamodule, the job's callbacks and read-only probes."""
 
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback, checkpoint_dirname
 from lp_lightning.lightning.datamodule import PretrainDataModule
@@ -10,6 +10,7 @@ from lp_lightning.lightning.precision import (
     LowPrecisionPlugin,
     PrecisionMode,
 )
+from lp_lightning.lightning.probes import HighPrecisionGemmProbe
 from lp_lightning.lightning.strategy import FSDP2FabricStrategy, FSDP2Strategy
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DeepSeekV3LM",
     "FSDP2FabricStrategy",
     "FSDP2Strategy",
+    "HighPrecisionGemmProbe",
     "LowPrecisionFabricPlugin",
     "LowPrecisionPlugin",
     "PeriodicCheckpoint",

@@ -10,9 +10,10 @@ summary whose keys are a public contract (later issues add keys, never remove th
 ============================ =====================================================================
 key                          meaning
 ============================ =====================================================================
-``precision``                ``--precision`` of the run (``"bf16"``)
+``precision``                ``--precision`` of the run (``"bf16"``, ``"mxfp8"``, ``"hif8"``)
 ``backend``                  op backend of the low-precision GEMMs: ``"none"`` for ``bf16`` (no
-                             such GEMM runs); ``"emulated"`` / ``"npu"`` once issue 4 lands
+                             such GEMM runs), ``"emulated"`` (CPU and any device without a
+                             hardware kernel) or ``"npu"`` (torch_npu quant MM/GMM)
 ``world_size``               number of processes (= FSDP2 ``dp_shard`` mesh size)
 ``steps``                    optimizer steps run by this ``fit`` call
 ``tokens``                   tokens trained by this ``fit`` call, summed over ranks
@@ -34,6 +35,28 @@ key                          meaning
 ``first_step``               global step index of the first step of this call (0 unless resumed)
 ``losses`` / ``grad_norms``  per-step training loss / pre-clip gradient norm of this call
 ``step_times_s``             per-step wall times (seconds)
+``low_precision``            the policy: ``{"enabled", "format", "scaling", "recipe_name"}``
+``replacement``              the replacement plan's report (``ReplacementReport.as_dict()``:
+                             ``counts`` per rule, ``replaced`` FQNs, ``skipped`` with reasons);
+                             ``null`` in ``bf16`` (no plan runs)
+``kernels``                  low-precision GEMM events of this call per role (``"dense.fprop"``
+                             ... ``"grouped.wgrad"``), ``backends`` / ``formats`` (event counts),
+                             ``high_precision_gemms_in_replaced_modules`` (must be 0) and
+                             ``high_precision_gemms_elsewhere`` — ``null`` unless a
+                             :class:`~lp_lightning.lightning.probes.HighPrecisionGemmProbe` ran
+``refresh``                  ``per_step`` (weight storage builds during each optimizer step of
+                             this call; a skipped step has 0), ``per_weight_per_step``
+                             (``{"min", "max"}`` builds of one weight in one step: 1 and 1),
+                             ``weights`` (low-precision weights), ``skipped_steps`` (steps of this
+                             call skipped for a non-finite gradient norm), ``startup`` /
+                             ``resume`` (full rebuilds after ``fully_shard`` / a checkpoint load)
+``wire``                     ``all_gather_bytes`` / ``reduce_scatter_bytes`` (dtype name ->
+                             bytes of this rank's collective inputs per optimizer step),
+                             ``high_precision_gathers_of_replaced`` (must be 0),
+                             ``low_precision_weights_gathered``, ``gathers_per_step`` (forward /
+                             backward weight gathers); the individual events of the first step
+                             are in ``wire_trace_rank<r>.json`` next to the summary
+                             (:mod:`lp_lightning.lightning.probes`)
 ============================ =====================================================================
 """
 
@@ -165,9 +188,25 @@ class RunSummaryCallback(Callback):
         self.path = path
         self.precision = precision
         self.summary: dict[str, Any] | None = None
+        self._gemms = self._refresh = self._wire = None
         self._reset(0)
 
+    def _stop_recorders(self) -> None:
+        for name in ("_gemms", "_refresh", "_wire"):
+            recorder = getattr(self, name, None)
+            if recorder is None:
+                continue
+            if name == "_wire":
+                recorder.stop()
+            else:
+                recorder.__exit__(None, None, None)
+
     def _reset(self, first_step: int) -> None:
+        self._stop_recorders()
+        self._gemms: Any = None
+        self._refresh: Any = None
+        self._wire: Any = None
+        self._skipped_at_start = 0
         self._first_step = first_step
         self._last_step = first_step
         self._t0: float | None = None
@@ -180,6 +219,32 @@ class RunSummaryCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(trainer.global_step)
+        from lp_lightning.lightning.probes import GemmRoleCounter, RefreshCounter, WireRecorder
+
+        plugin = trainer.precision_plugin
+        policy = getattr(plugin, "policy", None)
+        self._skipped_at_start = int(getattr(plugin, "optimizer_steps_skipped", 0))
+        if policy is not None and policy.enabled:  # bf16 imports nothing of the low-precision stack
+            self._gemms = GemmRoleCounter().__enter__()
+            self._refresh = RefreshCounter().__enter__()
+        mp_policy = plugin.fsdp_mixed_precision_policy() if hasattr(plugin, "fsdp_mixed_precision_policy") else None
+        self._wire = WireRecorder(plain_dtype=getattr(mp_policy, "param_dtype", None) or torch.bfloat16)
+        self._wire.start(getattr(pl_module, "model", None))
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wire is not None:
+            self._wire.pause()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._wire is not None:
+            self._wire.resume()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_recorders()
+        self._gemms = self._refresh = self._wire = None
 
     @override
     def on_train_batch_start(
@@ -209,6 +274,10 @@ class RunSummaryCallback(Callback):
         grad_norm = getattr(pl_module, "last_grad_norm", None)
         self._grad_norms.append(None if grad_norm is None else float(grad_norm))
         self._step_times.append(elapsed)
+        if self._refresh is not None:
+            self._refresh.close_step()
+        if self._wire is not None:
+            self._wire.close_step()
         tokens_per_step = self._local_tokens * trainer.world_size / len(self._step_times)
         pl_module.log("tokens_per_s", tokens_per_step / elapsed, on_step=True, on_epoch=False)
 
@@ -223,6 +292,7 @@ class RunSummaryCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Collectives run here on every rank; the file is written in on_fit_end, after the
         # checkpoint callbacks' on_train_end saved the last checkpoint.
+        self._stop_recorders()
         peak, source = _peak_memory_bytes(trainer.strategy.root_device)
         self._peak = (self._reduce(trainer, peak, dist.ReduceOp.MAX), source)
         self._local_tokens = self._reduce(trainer, self._local_tokens, dist.ReduceOp.SUM)
@@ -264,12 +334,65 @@ class RunSummaryCallback(Callback):
             "losses": list(self._losses),
             "grad_norms": list(self._grad_norms),
             "step_times_s": list(self._step_times),
+            **self._low_precision_sections(trainer),
         }
+
+    def _low_precision_sections(self, trainer: pl.Trainer) -> dict[str, Any]:
+        plugin = trainer.precision_plugin
+        policy = getattr(plugin, "policy", None)
+        report = getattr(plugin, "replacement_report", None)
+        from lp_lightning.lightning.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe
+
+        kernels: dict[str, Any] = dict.fromkeys(GEMM_ROLE_KEYS, 0)
+        kernels.update(backends={}, formats={}, unlabelled=0)
+        if self._gemms is not None:
+            kernels.update(self._gemms.roles)
+            kernels.update(
+                backends=dict(self._gemms.backends), formats=dict(self._gemms.formats), unlabelled=self._gemms.unlabelled
+            )
+        kernels.update(high_precision_gemms_in_replaced_modules=None, high_precision_gemms_elsewhere=None)
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, HighPrecisionGemmProbe):
+                kernels.update(callback.summary())
+        refreshes = getattr(plugin, "refreshes", {})
+        refresh = {
+            "per_step": list(self._refresh.per_step) if self._refresh is not None else [0] * len(self._losses),
+            "per_weight_per_step": {
+                "min": self._refresh.min_per_weight if self._refresh is not None else None,
+                "max": self._refresh.max_per_weight if self._refresh is not None else None,
+            },
+            "weights": len(getattr(plugin, "low_precision_weights", ())),
+            "skipped_steps": int(getattr(plugin, "optimizer_steps_skipped", 0)) - self._skipped_at_start,
+            "startup": refreshes.get("startup", 0),
+            "resume": refreshes.get("resume", 0),
+        }
+        return {
+            "low_precision": policy.as_dict() if policy is not None else None,
+            "replacement": report.as_dict() if report is not None else None,
+            "kernels": kernels,
+            "refresh": refresh,
+            "wire": self._wire.summary() if self._wire is not None else None,
+        }
+
+    def _write_wire_trace(self, trainer: pl.Trainer, summary_path: Path) -> None:
+        if self._wire is None:
+            return
+        trace = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "summary": self._wire.summary(),
+            "gathers_per_weight": {k: dict(v) for k, v in sorted(self._wire.gathers_per_weight.items())},
+            "events": self._wire.trace,
+        }
+        path = summary_path.parent / f"wire_trace_rank{trainer.global_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(trace, indent=1) + "\n")
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = self.build_summary(trainer)
+        path = Path(self.path) if self.path is not None else Path(trainer.default_root_dir) / "run_summary.json"
+        self._write_wire_trace(trainer, path)
         if trainer.is_global_zero:
-            path = Path(self.path) if self.path is not None else Path(trainer.default_root_dir) / "run_summary.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(self.summary, indent=2) + "\n")

@@ -37,7 +37,7 @@ from torch import nn
 from typing_extensions import override
 
 from lp_lightning.config import ActivationCheckpointMode
-from lp_lightning.distributed.fsdp import total_grad_norm
+from lp_lightning.distributed.fsdp import clip_gradients_, total_grad_norm
 
 __all__ = ["DeepSeekV3LM", "warmup_cosine_factor"]
 
@@ -237,7 +237,8 @@ class DeepSeekV3LM(pl.LightningModule):
 
         The norm of FSDP2's sharded DTensor gradients is reduced across ranks
         (:func:`~lp_lightning.distributed.fsdp.total_grad_norm`); clipping by norm scales every
-        local shard by the same global factor, clipping by value is element-wise.
+        local shard by the same global factor, clipping by value is element-wise
+        (:func:`~lp_lightning.distributed.fsdp.clip_gradients_`, per device mesh).
         """
         params = [p for p in self._require_model().parameters() if p.grad is not None]
         total = total_grad_norm(params)
@@ -245,10 +246,8 @@ class DeepSeekV3LM(pl.LightningModule):
         self.log("grad_norm", total, on_step=True, on_epoch=False)
         if not gradient_clip_val:
             return
-        if str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)) == "value":
-            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
-        else:
-            torch.nn.utils.clip_grads_with_norm_(params, gradient_clip_val, total)
+        algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
+        clip_gradients_(params, max_value=gradient_clip_val, algorithm=algorithm, total_norm=total)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

@@ -1,31 +1,54 @@
 """Precision plugins of the FSDP2 job: Fabric ``LowPrecisionFabricPlugin``, Trainer ``LowPrecisionPlugin``.
 
 The plugin owns everything precision-specific that the strategy must not hard-code (MISSION
-design card; STYLE §5.17):
+design card; STYLE §5.17). ``--precision`` maps onto
+:meth:`~lp_lightning.policy.LowPrecisionConfig.from_precision` (``bf16`` = low precision off,
+``mxfp8`` = ``mxfp8_e4m3+mx_block``, ``hif8`` = ``hif8+current``); an unknown value fails in the
+constructor, naming the choices, before any model exists.
 
-* :meth:`~LowPrecisionFabricPlugin.convert_module`: module conversion, run by the strategy
-  *before* ``fully_shard`` (seed §12.1). For ``bf16`` nothing is replaced (the replacement plan is
-  empty and ``torch_npu`` is never imported); issue 4 applies the low-precision replacement plan
-  for ``mxfp8`` / ``hif8`` here.
-* :meth:`~LowPrecisionFabricPlugin.fsdp_mixed_precision_policy`: the FSDP2
-  ``MixedPrecisionPolicy`` (BF16 all-gathered compute weights, FP32 gradient reduce-scatter, FP32
-  master shards).
-* ``optimizer_step``: runs the optimizer and records whether the step was applied
-  (:attr:`~LowPrecisionFabricPlugin.last_step_applied`,
-  :attr:`~LowPrecisionFabricPlugin.optimizer_steps_applied`). The low-precision weight refresh
-  of seed §10 (issue 5) runs exactly there, after an applied step; in ``bf16`` there are no
-  low-precision weights, so nothing is refreshed.
+Lifecycle (seed §12.1; the strategy calls these in this order, see
+:mod:`lp_lightning.distributed.fsdp` and :mod:`lp_lightning.distributed.fsdp_extension`)::
 
-Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("bf16")]``), which
+    configure_sharding(reshard_after_forward=..., activation_checkpoint=...)   # strategy, first
+    convert_module(model)        # 1. compile the replacement plan on a META twin of model.config
+                                 #    (structure only), 2. plan.apply(model) on the materialised,
+                                 #    HF-initialised model, 3. finalize_low_precision_weights(model,
+                                 #    build=False, gather_policy=gather_policy_for(...)): FP32 masters
+    ... strategy: FP32 upcast -> fully_shard (replicated fallback modules first) ->
+        refresh_low_precision_weights (builds every shard once) -> activation checkpointing ...
+    ... Lightning: configure_optimizers over the sharded FP32 masters ...
+    optimizer_step(...)          # per optimizer step: closure (forward/backward/clip), finite
+                                 # check, optimizer.step(), then ONE refresh of every weight
+    rebuild_after_load(model)    # after a DCP load restored the FP32 masters: ONE refresh
+
+In ``bf16`` nothing of this runs: ``convert_module`` returns the module untouched and imports
+neither :mod:`lp_lightning.plan`, the format layer (:mod:`lp_lightning.formats.weight`) nor
+``torch_npu``; no weight is refreshed (seed §13.1, R3).
+
+Skipped steps. With ``skip_nonfinite_steps=True`` (default, all precisions) the plugin runs the
+training closure itself, then computes the total gradient norm over the optimizer's parameters
+(after Lightning's gradient clipping; a NaN/Inf norm stays non-finite through clipping). A
+non-finite norm skips ``optimizer.step()`` *and* the refresh, logs a warning and counts the step
+in :attr:`~LowPrecisionFabricPlugin.optimizer_steps_skipped` (R8: a skipped or failed step
+refreshes nothing). Lightning still advances ``global_step`` and the LR scheduler, as it does for
+a step skipped by AMP's grad scaler. A step whose parameters have no gradient at all (every
+micro-batch's ``training_step`` returned ``None``) is a no-op: ``optimizer.step()`` is not called,
+nothing is refreshed and it is not counted as applied.
+
+Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("mxfp8")]``), which
 bypasses the built-in precision strings of Lightning's connector (STYLE §5.18). There is no
-autocast: FSDP2's ``MixedPrecisionPolicy`` casts the gathered weights to BF16 and HF modules
-keep the activations in the weights' dtype.
+autocast: FSDP2's ``MixedPrecisionPolicy`` casts the gathered plain weights to BF16, the
+low-precision weights are gathered as 8-bit payloads (:mod:`lp_lightning.formats.weight`), and HF
+modules keep the activations in the weights' dtype.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
@@ -33,28 +56,51 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lp_lightning.distributed.fsdp import default_mixed_precision_policy
+from lp_lightning.distributed.fsdp import default_mixed_precision_policy, resolve_causal_lm, total_grad_norm
+from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, PrecisionName
+
+if TYPE_CHECKING:
+    from lp_lightning.plan import ReplacementReport, ReplacementRule
 
 __all__ = ["SUPPORTED_PRECISIONS", "LowPrecisionFabricPlugin", "LowPrecisionPlugin", "PrecisionMode"]
 
-PrecisionMode = Literal["bf16"]
-"""Values of ``--precision`` accepted by this release (``mxfp8`` and ``hif8`` arrive in issue 4)."""
+log = logging.getLogger(__name__)
 
-SUPPORTED_PRECISIONS: tuple[str, ...] = ("bf16",)
-"""Runtime form of :data:`PrecisionMode`."""
+PrecisionMode = Literal["bf16", "mxfp8", "hif8"]
+"""Values of ``--precision`` (see :class:`~lp_lightning.policy.PrecisionName`)."""
 
-_BACKEND_BY_PRECISION = {"bf16": "none"}
+SUPPORTED_PRECISIONS: tuple[str, ...] = tuple(p.value for p in PrecisionName)
+"""Runtime form of :data:`PrecisionMode`: ``("bf16", "mxfp8", "hif8")``."""
 
 
 class LowPrecisionFabricPlugin(FabricPrecision):
-    """Fabric precision plugin of the FSDP2 job (BF16 compute, FP32 master and reduce).
+    """Fabric precision plugin of the FSDP2 job: BF16 baseline, or MXFP8 / HiF8 GEMMs.
 
     Use with :class:`~lp_lightning.lightning.strategy.FSDP2FabricStrategy`::
 
-        fabric = Fabric(strategy=FSDP2FabricStrategy(), plugins=[LowPrecisionFabricPlugin("bf16")])
+        fabric = Fabric(strategy=FSDP2FabricStrategy(), plugins=[LowPrecisionFabricPlugin("mxfp8")])
 
     Args:
-        precision: ``"bf16"``: no low-precision GEMM (the seed's BF16 baseline).
+        precision: ``"bf16"`` (no low-precision GEMM, the seed's baseline), ``"mxfp8"``
+            (``mxfp8_e4m3`` + ``mx_block``) or ``"hif8"`` (``hif8`` + ``current``).
+        skip_nonfinite_steps: Skip ``optimizer.step()`` (and the refresh) when the total gradient
+            norm is NaN/Inf; see the module docstring. ``False`` steps unconditionally.
+        plan_rules: Replacement rules (``lp_lightning.plan.ReplacementRule``) or the path of a
+            ``plan_overrides`` YAML (``configs/plan_deepseek_v3.yaml``); ``None`` uses
+            :func:`~lp_lightning.plan.deepseek_v3_default_rules` of the model's config. Ignored in
+            ``bf16``.
+
+    Attributes:
+        mode: The ``precision`` string.
+        policy: The read-only :class:`~lp_lightning.policy.LowPrecisionPolicy` of ``mode``.
+        optimizer_steps_applied: ``optimizer.step()`` calls that completed (restored on resume).
+        optimizer_steps_skipped: Steps skipped for a non-finite gradient norm (restored on resume).
+        last_step_applied: Whether the last ``optimizer_step`` call stepped the optimizer.
+        replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module`
+            (``None`` in ``bf16`` or before conversion).
+        low_precision_weights: FQNs of the parameters turned into low-precision weights.
+        refreshes: Low-precision refresh calls by reason: ``{"startup": n, "step": n, "resume": n}``
+            (each call rebuilds every weight once).
 
     Raises:
         ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`.
@@ -62,84 +108,247 @@ class LowPrecisionFabricPlugin(FabricPrecision):
 
     precision = "bf16-mixed"
 
-    def __init__(self, precision: PrecisionMode = "bf16") -> None:
+    def __init__(
+        self,
+        precision: PrecisionMode = "bf16",
+        *,
+        skip_nonfinite_steps: bool = True,
+        plan_rules: Sequence[ReplacementRule] | str | None = None,
+    ) -> None:
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(
-                f"precision={precision!r} is not supported; choose one of "
-                f"{list(SUPPORTED_PRECISIONS)} (mxfp8 and hif8 arrive with the low-precision "
-                f"issues)."
+                f"precision={precision!r} is not supported; choose one of {list(SUPPORTED_PRECISIONS)} "
+                f"(bf16 = no low-precision GEMM, mxfp8 = mxfp8_e4m3+mx_block, hif8 = hif8+current)."
             )
+        if not isinstance(skip_nonfinite_steps, bool):
+            raise TypeError(f"skip_nonfinite_steps must be a bool, got {skip_nonfinite_steps!r}.")
         self.mode: str = precision
+        self.low_precision_config: LowPrecisionConfig = LowPrecisionConfig.from_precision(precision)
+        self.policy: LowPrecisionPolicy = self.low_precision_config.to_policy()
+        self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.plan_rules = plan_rules
         self.optimizer_steps_applied: int = 0
+        self.optimizer_steps_skipped: int = 0
         self.last_step_applied: bool = False
+        self.replacement_report: ReplacementReport | None = None
+        self.low_precision_weights: tuple[str, ...] = ()
+        self.refreshes: dict[str, int] = {"startup": 0, "step": 0, "resume": 0}
+        self._gather_policy: Any = None  # GatherPolicy once a strategy called configure_sharding
+        self._device: torch.device | None = None
 
+    # -- what the run reports ----------------------------------------------------------------------
     @property
     def backend(self) -> str:
-        """Op backend of the low-precision GEMMs: ``"none"`` for ``bf16`` (no such GEMM runs).
+        """Op backend of the low-precision GEMMs: ``"none"`` (``bf16``), ``"emulated"`` or ``"npu"``.
 
-        Issue 4 reports ``"emulated"`` or ``"npu"`` here; ``run_summary.json`` copies it.
+        Resolved like the GEMM entry points do (``lp_lightning.ops.resolve_backend`` for the
+        policy's format on the model's device): ``"npu"`` only for an NPU device whose capability
+        check passes or when the ``npu`` backend is selected explicitly. The GEMM trace events
+        carry the backend that actually ran each GEMM (``run_summary.json`` ``kernels``).
         """
-        return _BACKEND_BY_PRECISION[self.mode]
+        if not self.policy.enabled:
+            return "none"
+        from lp_lightning.ops import resolve_backend
+
+        return resolve_backend(self.policy.format, self._device or torch.device("cpu"))
 
     def fsdp_mixed_precision_policy(self) -> MixedPrecisionPolicy:
         """The FSDP2 policy the strategy shards with.
 
         Returns:
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``:
-            FP32 master shards, BF16 all-gathered compute weights, FP32 gradient reduce-scatter.
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: FP32
+            master shards, BF16 all-gathered plain weights (the low-precision weights travel as
+            their 8-bit payloads and take ``param_dtype`` only as logical dtype), FP32 gradient
+            reduce-scatter.
         """
         return default_mixed_precision_policy()
 
-    @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        """Applies this precision's module replacement; the strategy calls it before sharding.
+    # -- conversion (before fully_shard) -----------------------------------------------------------
+    def configure_sharding(self, *, reshard_after_forward: bool, activation_checkpoint: str) -> None:
+        """Tell the plugin how the strategy will shard, before :meth:`convert_module` runs.
+
+        The MXFP8 weights need it at finalize time: FSDP2 sizes each weight's all-gather buffers
+        once, so whether a gather carries one orientation or both is fixed per run
+        (:func:`~lp_lightning.distributed.fsdp_extension.gather_policy_for`). After this call
+        ``convert_module`` leaves the storage unbuilt (``build=False``): ``fully_shard`` replaces
+        every parameter by a fresh shard that the strategy's refresh builds.
 
         Args:
-            module: The plain HF causal LM (identical weights on every rank, not yet sharded).
+            reshard_after_forward: ``fsdp_config.reshard_after_forward``.
+            activation_checkpoint: ``"off"`` or ``"full"``.
 
-        Returns:
-            ``module`` itself: in ``bf16`` no module is replaced.
+        Raises:
+            RuntimeError: The module was already converted (the gather policy is baked in).
+            ValueError: ``activation_checkpoint`` is neither ``"off"`` nor ``"full"``.
         """
-        return module
+        if activation_checkpoint not in ("off", "full"):
+            raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
+        if not self.policy.enabled:
+            return
+        if self.replacement_report is not None:
+            raise RuntimeError(
+                "configure_sharding must run before convert_module: the MXFP8 gather policy is fixed when the "
+                "low-precision weights are finalized."
+            )
+        from lp_lightning.distributed.fsdp_extension import gather_policy_for
 
-    def _record_step(self, applied: bool) -> None:
-        self.last_step_applied = applied
-        if applied:
-            self.optimizer_steps_applied += 1
+        self._gather_policy = gather_policy_for(
+            reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint
+        )
+
+    def _rules(self, config: Any) -> Sequence[ReplacementRule]:
+        from lp_lightning import plan
+
+        if self.plan_rules is None:
+            return plan.deepseek_v3_default_rules(config)
+        if isinstance(self.plan_rules, str):
+            return plan.load_rules(self.plan_rules)
+        return tuple(self.plan_rules)
 
     @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Runs ``optimizer.step(**kwargs)`` and records that the step was applied.
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Replace the planned modules and finalize their weights; the strategy calls it before sharding.
 
-        In ``bf16`` there is no loss scaler that could skip a step, so every call that returns
-        normally is an applied step; an exception propagates and is not counted.
+        Steps (seed §5, §12.1): build a meta twin of ``module``'s HF config (structure only, no
+        memory), ``compile_plan`` on it, ``plan.apply`` on ``module`` (atomic: all or nothing),
+        then ``finalize_low_precision_weights`` (FP32 masters, gather policy of
+        :meth:`configure_sharding`; storage built only when no strategy configured sharding).
+        The report is kept in :attr:`replacement_report` and logged.
+
+        Args:
+            module: The plain, HF-initialised causal LM (or a wrapper holding it at ``.model``),
+                identical on every rank, not yet sharded.
 
         Returns:
-            What ``optimizer.step`` returned.
+            ``module`` (replacement happens in place; the object identity is kept).
+
+        Raises:
+            TypeError, ValueError: From the plan (zero-hit rule, double match, subclassed Linear;
+                the model is untouched then) or from finalize (sharded or meta parameters).
         """
-        out = super().optimizer_step(optimizer, **kwargs)
-        self._record_step(applied=True)
+        if not self.policy.enabled:
+            return module
+        from lp_lightning.formats import weight as lp_weight
+        from lp_lightning.models.deepseek_v3 import build_meta_model
+        from lp_lightning.plan import compile_plan
+
+        causal_lm = resolve_causal_lm(module)
+        if self.replacement_report is not None:
+            raise RuntimeError(f"{type(self).__name__}.convert_module ran twice; the model is already converted.")
+        config = causal_lm.config
+        meta = build_meta_model(config, attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa")
+        plan = compile_plan(meta, self._rules(config), self.policy)
+        del meta
+        report = plan.apply(causal_lm)
+        sharded_later = self._gather_policy is not None
+        records = lp_weight.finalize_low_precision_weights(
+            causal_lm,
+            recipe=self.policy,
+            gather_policy=self._gather_policy if sharded_later else lp_weight.GatherPolicy(),
+            master_dtype=torch.float32,
+            build=not sharded_later,
+        )
+        self.replacement_report = report
+        self.low_precision_weights = tuple(r.fqn for r in records)
+        self._device = next(causal_lm.parameters()).device
+        log.info("%s\n%d low-precision weights finalized (FP32 masters)", report.format(), len(records))
+        return module
+
+    def note_startup_refresh(self) -> None:
+        """Counts the refresh the strategy runs once after ``fully_shard`` (builds every shard)."""
+        self.refreshes["startup"] += 1
+
+    def rebuild_after_load(self, module: nn.Module) -> None:
+        """Rebuild every low-precision weight from the FP32 masters a checkpoint load restored (seed §11).
+
+        Called by the strategies right after the DCP load, on every rank (HiF8 dense weights
+        MAX-reduce their amax over the shard group). No-op in ``bf16``.
+
+        Args:
+            module: The sharded causal LM (or a wrapper holding it).
+        """
+        if not self.policy.enabled:
+            return
+        from lp_lightning.distributed.refresh import refresh_low_precision_weights
+
+        refresh_low_precision_weights(resolve_causal_lm(module).parameters())
+        self.refreshes["resume"] += 1
+
+    # -- optimizer step ----------------------------------------------------------------------------
+    @staticmethod
+    def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def _step_and_refresh(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Finite check, ``optimizer.step(**kwargs)``, refresh. Returns what ``optimizer.step`` returned."""
+        params = self._optimizer_params(optimizer)
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            self.last_step_applied = False
+            return None
+        if self.skip_nonfinite_steps:
+            norm = total_grad_norm(with_grad)
+            if not bool(torch.isfinite(norm)):
+                self.optimizer_steps_skipped += 1
+                self.last_step_applied = False
+                log.warning(
+                    "non-finite gradient norm %s: optimizer step skipped (no weight update, no low-precision "
+                    "refresh); %d step(s) skipped so far.",
+                    float(norm),
+                    self.optimizer_steps_skipped,
+                )
+                return None
+        out = optimizer.step(**kwargs)
+        self.optimizer_steps_applied += 1
+        self.last_step_applied = True
+        if self.policy.enabled:
+            from lp_lightning.distributed.refresh import refresh_low_precision_weights
+
+            refresh_low_precision_weights(params)
+            self.refreshes["step"] += 1
         return out
 
     @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """Checks the gradients, runs ``optimizer.step(**kwargs)`` and refreshes the low-precision weights.
+
+        Fabric calls it after the user's ``fabric.backward``; see the module docstring for the
+        skip rules. The refresh covers every parameter of ``optimizer`` once (seed §10).
+
+        Returns:
+            What ``optimizer.step`` returned (``None`` when the step was skipped).
+        """
+        return self._step_and_refresh(optimizer, **kwargs)
+
+    # -- checkpoint state --------------------------------------------------------------------------
+    @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode": "bf16", "optimizer_steps_applied": n}``, stored in the checkpoint's ``meta.pt``."""
-        return {"mode": self.mode, "optimizer_steps_applied": self.optimizer_steps_applied}
+        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped"}``, stored in ``meta.pt``."""
+        return {
+            "mode": self.mode,
+            "optimizer_steps_applied": self.optimizer_steps_applied,
+            "optimizer_steps_skipped": self.optimizer_steps_skipped,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the step counter; refuses a checkpoint written under another precision.
+        """Restores the step counters; a checkpoint of another precision resumes with a log line.
 
-        Raises:
-            ValueError: The checkpoint's ``mode`` differs from this plugin's.
+        The checkpoint holds only high-precision state (FP32 masters and moments, seed §11), so a
+        run written in ``mxfp8`` resumes in ``hif8`` or ``bf16`` (and back): the low-precision
+        storage is rebuilt from the restored masters in this run's format.
         """
         mode = state_dict.get("mode", self.mode)
         if mode != self.mode:
-            raise ValueError(
-                f"the checkpoint was trained with precision={mode!r} but this run uses "
-                f"precision={self.mode!r}; resume with --precision {mode}."
+            log.warning(
+                "resuming a checkpoint trained with precision=%r in precision=%r: the FP32 masters and AdamW "
+                "state are restored and the low-precision weights are rebuilt in %r.",
+                mode,
+                self.mode,
+                self.mode,
             )
         self.optimizer_steps_applied = int(state_dict.get("optimizer_steps_applied", 0))
+        self.optimizer_steps_skipped = int(state_dict.get("optimizer_steps_skipped", 0))
 
 
 class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):
@@ -147,26 +356,28 @@ class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):
 
     Use with :class:`~lp_lightning.lightning.strategy.FSDP2Strategy`::
 
-        Trainer(strategy=FSDP2Strategy(), plugins=[LowPrecisionPlugin("bf16")])
+        Trainer(strategy=FSDP2Strategy(), plugins=[LowPrecisionPlugin("hif8")])
 
     Only ``optimizer_step`` differs from the Fabric plugin, because the Trainer passes the
-    training closure: a step counts as applied when the closure produced a loss (Lightning skips
-    backward, and so changes no weight, when ``training_step`` returns ``None``).
+    training closure: the plugin runs it (forward, backward, ``on_before_optimizer_step``, gradient
+    clipping) *before* deciding whether to call ``optimizer.step()``, exactly as Lightning's AMP
+    plugin does, so a non-finite step never reaches the optimizer.
 
     Args:
-        precision: ``"bf16"``.
+        precision: ``"bf16"``, ``"mxfp8"`` or ``"hif8"``.
+        skip_nonfinite_steps: See :class:`LowPrecisionFabricPlugin`.
+        plan_rules: See :class:`LowPrecisionFabricPlugin`.
     """
 
     @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: Any, closure: Any, **kwargs: Any
     ) -> Any:
-        """Runs Lightning's closure-driven optimizer step and records whether it was applied.
+        """Runs the closure, then the checked optimizer step and the refresh (module docstring).
 
         Returns:
             The closure's loss (``None`` when ``training_step`` skipped the batch).
         """
-        out = Precision.optimizer_step(self, optimizer, model, closure, **kwargs)
-        self._record_step(applied=out is not None)
-        return out
-
+        loss = self._wrap_closure(model, optimizer, closure)
+        self._step_and_refresh(optimizer, **kwargs)
+        return loss

@@ -7,11 +7,17 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   N-process runs share the code path);
 * a 1-D ``("dp_shard",)`` device mesh of ``fsdp_config.dp_shard_size`` ranks (= world size);
 * :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of seed §12.1: the
-  precision plugin's ``convert_module`` -> FP32 upcast (master shards) -> ``fully_shard`` per
-  decoder layer and on the root -> activation checkpointing -> (then Lightning creates the
-  optimizer). Lightning's parent ``setup`` would call ``convert_module`` *after* the model is
-  built and sharded (Lightning #19989); :meth:`FSDP2Strategy.setup` replaces it so the order is
-  explicit (tested in ``tests/lightning/test_strategy.py``);
+  precision plugin's ``configure_sharding`` and ``convert_module`` (replacement plan compiled on a
+  meta twin and applied, low-precision weights finalized with FP32 masters) -> FP32 upcast (master
+  shards) -> MXFP8 shard-legality check (``fsdp_config.fallback_to_unsharded``) -> ``fully_shard``
+  (replicated fallback modules, FP32 routers, decoder layers, root) -> one refresh of the
+  low-precision shards -> activation checkpointing -> (then Lightning creates the optimizer).
+  Lightning's parent ``setup`` would call ``convert_module`` *after* the model is built and
+  sharded (Lightning #19989); :meth:`FSDP2Strategy.setup` replaces it so the order is explicit
+  (tested in ``tests/lightning/test_strategy.py`` and ``tests/lightning/test_low_precision.py``);
+* after a checkpoint load the plugin rebuilds the low-precision weights from the restored FP32
+  masters (seed §11); each applied optimizer step refreshes them once (the plugin's
+  ``optimizer_step``);
 * DCP checkpoints whose model keys are the HF names and whose optimizer view is keyed by the
   same names (:mod:`lp_lightning.distributed.checkpoint`).
 
@@ -24,7 +30,7 @@ decoder layers) and may declare ``activation_checkpoint`` (``"off"``/``"full"``;
 Trainer::
 
     Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(FSDP2Config()),
-            plugins=[LowPrecisionPlugin("bf16")], use_distributed_sampler=False)
+            plugins=[LowPrecisionPlugin("mxfp8")], use_distributed_sampler=False)
 
 Fabric (set the model up first, then create the optimizer over the sharded Parameters)::
 
@@ -173,15 +179,19 @@ class FSDP2Strategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Parallelises the model that ``configure_model`` built, then sets up the optimizer.
 
-        Order (seed §12.1): ``precision_plugin.convert_module`` -> FP32 upcast -> ``fully_shard``
-        per decoder layer and root -> activation checkpointing -> ``configure_optimizers``. A
-        model that is already sharded (a second ``fit``/``validate`` on the same Trainer) is kept
-        as it is.
+        Order (seed §12.1): ``precision_plugin.configure_sharding`` -> ``convert_module`` (plan
+        compiled on a meta twin and applied, low-precision weights finalized) -> FP32 upcast ->
+        shard-legality check -> ``fully_shard`` (replicated fallback modules, FP32 router modules,
+        decoder layers, root) -> one refresh of the low-precision shards -> activation
+        checkpointing -> ``configure_optimizers``. A model that is already sharded (a second
+        ``fit``/``validate`` on the same Trainer) is kept as it is.
 
         Raises:
             TypeError: ``configure_model`` is not overridden, or the LightningModule does not
                 hold a HF causal LM at ``.model``.
-            ValueError: The model still has meta parameters.
+            ValueError: The model still has meta parameters, or a low-precision weight breaks the
+                MXFP8 shard rule with ``fsdp_config.fallback_to_unsharded=false`` (the message
+                names the FQN, shape, world size and rule).
         """
         assert self.model is not None
         assert self.accelerator is not None
@@ -197,16 +207,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         causal_lm = self._causal_lm()
         if not is_parallelized(causal_lm):
             _check_materialized(causal_lm)
+            activation_checkpoint = getattr(lm, "activation_checkpoint", "off")
+            plugin.configure_sharding(
+                reshard_after_forward=self.fsdp_config.reshard_after_forward,
+                activation_checkpoint=activation_checkpoint,
+            )
             parallel_lm, record = parallelize_causal_lm(
                 causal_lm,
                 self.device_mesh,
                 mp_policy=plugin.fsdp_mixed_precision_policy(),
                 reshard_after_forward=self.fsdp_config.reshard_after_forward,
-                activation_checkpoint=getattr(lm, "activation_checkpoint", "off"),
+                activation_checkpoint=activation_checkpoint,
                 convert_module=plugin.convert_module,
+                fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
             )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
+            if "refresh_low_precision" in record.steps:
+                plugin.note_startup_refresh()
             self.parallelization = record
         self.model_to_device()
         self.barrier()
@@ -259,26 +277,32 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         Lightning restores loops, LR schedulers, callbacks, datamodule and plugin state from the
         returned dict (``lightning_restore_optimizer`` is ``False``: the optimizer is restored here).
+        Then the low-precision weights are rebuilt once from the restored FP32 masters (seed §11;
+        the checkpoint holds no derived data, so it may come from another precision).
         """
         path = Path(self.broadcast(checkpoint_path))
         optimizers = self.optimizers
         if len(optimizers) > 1:
             raise ValueError(f"{type(self).__name__} checkpoints hold one optimizer; got {len(optimizers)}.")
         assert self.lightning_module is not None
-        return load_dcp_checkpoint(
+        metadata = load_dcp_checkpoint(
             path,
             model=self._causal_lm(),
             optimizers={OPTIMIZER_CHECKPOINT_KEY: optimizers[0]} if optimizers else {},
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+        self.low_precision_plugin.rebuild_after_load(self._causal_lm())
+        return metadata
 
 
 class FSDP2FabricStrategy(FabricModelParallelStrategy):
     """Fabric twin of :class:`FSDP2Strategy`.
 
-    Fabric runs the plugin's ``convert_module`` itself, before ``setup_module`` (the right order),
-    so ``setup_module`` upcasts, shards and wraps. Checkpoints (``fabric.save(path, state)``) put
+    Fabric runs the plugin's ``convert_module`` itself, before ``setup_module`` (the right order;
+    :meth:`setup_environment`, run by ``fabric.launch()``, first tells the plugin the sharding
+    settings), so ``setup_module`` upcasts, shards, refreshes the low-precision shards and wraps.
+    The restore in :meth:`load_checkpoint` rebuilds the low-precision weights from the masters. Checkpoints (``fabric.save(path, state)``) put
     the single module's HF-keyed view at the top level, each optimizer under its state key and
     everything else in ``meta.pt``.
 
@@ -329,7 +353,12 @@ class FSDP2FabricStrategy(FabricModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Checks the plugin, starts the process group and builds the ``("dp_shard",)`` mesh."""
-        self.low_precision_plugin  # noqa: B018 - fail before any process group exists
+        plugin = self.low_precision_plugin  # fail before any process group exists
+        # Fabric converts in setup_module, after launch: the plugin learns the sharding now.
+        plugin.configure_sharding(
+            reshard_after_forward=self.fsdp_config.reshard_after_forward,
+            activation_checkpoint=self.activation_checkpoint,
+        )
         FabricParallelStrategy.setup_environment(self)
         self._setup_distributed()
         dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)
@@ -355,8 +384,11 @@ class FSDP2FabricStrategy(FabricModelParallelStrategy):
             reshard_after_forward=self.fsdp_config.reshard_after_forward,
             activation_checkpoint=self.activation_checkpoint,
             convert_module=None,  # Fabric already ran precision.convert_module
+            fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
         )
         assert parallel_lm is causal_lm
+        if "refresh_low_precision" in record.steps:
+            plugin.note_startup_refresh()
         self.parallelization = record
         return module
 
@@ -444,6 +476,7 @@ class FSDP2FabricStrategy(FabricModelParallelStrategy):
             path, model=resolve_causal_lm(module), optimizers=optimizers, strict=strict,
             weights_only=weights_only,
         )
+        self.low_precision_plugin.rebuild_after_load(module)
         missing = [k for k in rest if k not in metadata]
         if strict and missing:
             raise KeyError(f"checkpoint {str(path)!r} has no entries {missing}; pass strict=False to skip them.")

@@ -26,6 +26,7 @@ def fit_tiny(
     activation_checkpoint: str = "off",
     plugin: LowPrecisionPlugin | None = None,
     fsdp_config: FSDP2Config | None = None,
+    callbacks: list[pl.Callback] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[pl.Trainer, DeepSeekV3LM, dict[str, Any]]:
     """Trains dsv3-tiny for ``max_steps`` in this process; returns trainer, module, run summary."""
@@ -49,7 +50,7 @@ def fit_tiny(
         logger=False,
         deterministic=True,
         default_root_dir=str(root),
-        callbacks=[summary],
+        callbacks=[summary, *(callbacks or [])],
         **trainer_kwargs,
     )
     trainer.fit(module, datamodule=datamodule)

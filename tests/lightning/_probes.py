@@ -45,3 +45,68 @@ class ShardingProbe(Callback):
         path = Path(self.out_dir) / f"probe_rank{trainer.global_rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(facts, indent=1, default=list))
+
+
+class StateDump(Callback):
+    """Saves this rank's low-precision storage and optimizer state to ``<out_dir>/state_step<N>_rank<r>.pt``.
+
+    At ``on_train_start`` (after a checkpoint restore and the rebuild of the 8-bit weights) and after
+    every optimizer step listed in ``steps``. Tensors are this rank's local shards, cloned.
+
+    Args:
+        out_dir: Folder for the files.
+        steps: Global steps after which to dump (comma-separated string from the CLI, or a list).
+    """
+
+    def __init__(self, out_dir: str, steps: str = "") -> None:
+        self.out_dir = out_dir
+        self.steps = {int(s) for s in str(steps).split(",") if s.strip()}
+        self._last = None
+
+    def _dump(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tag: str) -> None:
+        import torch
+
+        from lp_lightning.distributed.refresh import local_low_precision_weight
+
+        storage, optim = {}, {}
+        names = {}
+        for name, param in pl_module.model.named_parameters():
+            fqn = name.replace("_checkpoint_wrapped_module.", "")
+            names[id(param)] = fqn
+            local = local_low_precision_weight(param)
+            if local is not None:
+                storage[fqn] = {k: v.clone() for k, v in local.low_precision_storage.items()}
+        for param, state in trainer.optimizers[0].state.items():
+            optim[names[id(param)]] = {
+                k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state.items()
+            }
+        path = Path(self.out_dir) / f"state_{tag}_rank{trainer.global_rank}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"storage": storage, "optimizer": optim, "global_step": trainer.global_step}, path)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last = trainer.global_step
+        self._dump(trainer, pl_module, f"start{trainer.global_step}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self._last:
+            self._last = trainer.global_step
+            if trainer.global_step in self.steps:
+                self._dump(trainer, pl_module, f"step{trainer.global_step}")
+
+
+class ImportedModules(Callback):
+    """Writes ``<out_dir>/imported_rank<r>.json``: which of ``WATCHED`` were imported by the end of training."""
+
+    WATCHED = ("lp_lightning.formats.weight", "lp_lightning.plan", "lp_lightning.distributed.refresh",
+               "lp_lightning.distributed.fsdp_extension", "torch_npu")
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import sys
+
+        path = Path(self.out_dir) / f"imported_rank{trainer.global_rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sorted(m for m in self.WATCHED if m in sys.modules)))

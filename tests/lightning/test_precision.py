@@ -1,30 +1,120 @@
-"""Precision plugins: choices, FSDP2 policy, conversion seam, applied-step accounting."""
+"""Precision plugins: choices, FSDP2 policy, conversion, checked optimizer step, refresh, resume state."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, LowPrecisionFabricPlugin, LowPrecisionPlugin
+
+
+@pytest.fixture
+def eager_codecs():
+    """Plumbing tests: eager codec kernels (bit-identical to the fused ones), no compile warm-up."""
+    previous = compiled_kernels_enabled()
+    set_compiled_kernels(False)
+    yield
+    set_compiled_kernels(previous)
 
 
 @pytest.mark.parametrize("cls", [LowPrecisionFabricPlugin, LowPrecisionPlugin])
 def test_bf16_plugin(cls):
     plugin = cls("bf16")
     assert plugin.mode == "bf16" and plugin.backend == "none" and plugin.precision == "bf16-mixed"
+    assert plugin.policy.enabled is False
     policy = plugin.fsdp_mixed_precision_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     module = nn.Linear(4, 4)
-    assert plugin.convert_module(module) is module  # bf16 replaces nothing
+    weight = module.weight
+    assert plugin.convert_module(module) is module and module.weight is weight  # bf16 replaces nothing
+    assert plugin.replacement_report is None
 
 
-@pytest.mark.parametrize("bad", ["mxfp8", "hif8", "fp16", "bf16-mixed"])
+@pytest.mark.parametrize("bad", ["fp16", "bf16-mixed", "fp8", "mxfp4"])
 def test_unknown_precision_names_the_choices(bad):
-    with pytest.raises(ValueError, match=rf"precision='{bad}' is not supported; choose one of \['bf16'\]"):
+    with pytest.raises(ValueError, match=rf"precision='{bad}' is not supported; choose one of \['bf16', 'mxfp8', 'hif8'\]"):
         LowPrecisionPlugin(bad)
-    assert SUPPORTED_PRECISIONS == ("bf16",)
+    assert SUPPORTED_PRECISIONS == ("bf16", "mxfp8", "hif8")
+
+
+@pytest.mark.parametrize(("mode", "fmt", "scaling"), [("mxfp8", "mxfp8_e4m3", "mx_block"), ("hif8", "hif8", "current")])
+def test_low_precision_modes_map_onto_the_policy(mode, fmt, scaling):
+    plugin = LowPrecisionPlugin(mode)
+    assert plugin.policy.as_dict() == {"enabled": True, "format": fmt, "scaling": scaling, "recipe_name": f"{fmt}_{scaling}"}
+    assert plugin.backend == "emulated"  # CPU: no hardware kernel, labelled as emulation
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["mxfp8", "hif8"])
+def test_convert_module_replaces_the_plan_and_finalizes_fp32_masters(mode, eager_codecs):
+    from lp_lightning.formats.weight import QuantizedWeightTensor
+    from lp_lightning.models.deepseek_v3 import from_hf_config
+
+    model = from_hf_config("dsv3-tiny", seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    plugin = LowPrecisionPlugin(mode)
+    assert plugin.convert_module(model) is model
+    report = plugin.replacement_report
+    assert report.counts == {"mla_projections": 12, "dense_mlp": 3, "shared_experts": 6, "routed_experts": 2}
+    assert len(plugin.low_precision_weights) == 21 + 2 * 2
+    assert list(model.state_dict()) == keys  # HF keys unchanged
+    for name, param in model.named_parameters():
+        if name in plugin.low_precision_weights:
+            assert isinstance(param, QuantizedWeightTensor) and param.dtype == torch.float32, name
+            assert param.is_built and param.refresh_count == 1, name  # no strategy: built at once
+            assert torch.equal(param.master, before[name].float()), name  # BF16 -> FP32 is exact
+        else:
+            assert type(param) is nn.Parameter and torch.equal(param, before[name]), name
+    with pytest.raises(RuntimeError, match="ran twice"):
+        plugin.convert_module(model)
+
+
+class _Dense(nn.Module):
+    low_precision_weight_names = ("weight",)
+    low_precision_weight_kind = "dense"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64))
+        self.bias = nn.Parameter(torch.zeros(64))
+
+
+def _lp_params(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from lp_lightning.formats.weight import finalize_low_precision_weights
+
+    module = _Dense()
+    finalize_low_precision_weights(module, recipe=LowPrecisionPlugin(mode).policy)
+    return module, torch.optim.AdamW(module.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "hif8"])
+def test_fabric_step_refreshes_each_weight_once_and_skips_non_finite(mode, eager_codecs):
+    from lp_lightning.distributed.refresh import RefreshRecorder
+
+    module, optimizer = _lp_params(mode)
+    plugin = LowPrecisionFabricPlugin(mode)
+    module.weight.grad = torch.ones(64, 64)
+    module.bias.grad = torch.ones(64)
+    with RefreshRecorder() as rec:
+        plugin.optimizer_step(optimizer)
+    assert rec.counts == {"weight": 1}
+    assert plugin.optimizer_steps_applied == 1 and plugin.last_step_applied and plugin.refreshes["step"] == 1
+    stepped = module.weight.master.clone()
+
+    module.weight.grad = torch.full((64, 64), float("nan"))
+    with RefreshRecorder() as rec:
+        plugin.optimizer_step(optimizer)
+    assert rec.total == 0  # a skipped step refreshes nothing
+    assert torch.equal(module.weight.master, stepped)  # and updates nothing
+    assert plugin.optimizer_steps_skipped == 1 and not plugin.last_step_applied
+    assert plugin.optimizer_steps_applied == 1 and plugin.refreshes["step"] == 1
 
 
 def test_fabric_plugin_counts_every_returned_step():
@@ -37,7 +127,19 @@ def test_fabric_plugin_counts_every_returned_step():
     assert torch.equal(param.detach(), torch.full((2,), 0.5))
 
 
-def test_trainer_plugin_counts_only_steps_whose_closure_produced_a_loss(monkeypatch):
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_skips_the_step_unless_disabled(bad):
+    for skip in (True, False):
+        param = nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([param], lr=0.5)
+        plugin = LowPrecisionFabricPlugin("bf16", skip_nonfinite_steps=skip)
+        param.grad = torch.tensor([1.0, bad])
+        plugin.optimizer_step(optimizer)
+        assert plugin.optimizer_steps_skipped == int(skip) and plugin.optimizer_steps_applied == int(not skip)
+        assert torch.equal(param.detach(), torch.ones(2)) is skip
+
+
+def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.5)
     plugin = LowPrecisionPlugin("bf16")
@@ -49,17 +151,49 @@ def test_trainer_plugin_counts_only_steps_whose_closure_produced_a_loss(monkeypa
         param.grad = torch.ones(2)
         return torch.tensor(1.0)
 
+    def closure_without_backward():  # training_step returned None: Lightning zeroed the grads
+        param.grad = None
+
     assert plugin.optimizer_step(optimizer, model, closure_with_loss) is not None
     assert plugin.last_step_applied and plugin.optimizer_steps_applied == 1
-    assert plugin.optimizer_step(optimizer, model, lambda: None) is None  # training_step skipped
+    assert plugin.optimizer_step(optimizer, model, closure_without_backward) is None
     assert not plugin.last_step_applied and plugin.optimizer_steps_applied == 1
+    assert torch.equal(param.detach(), torch.full((2,), 0.5))
+
+    def closure_nan():
+        param.grad = torch.tensor([float("nan"), 0.0])
+        return torch.tensor(1.0)
+
+    assert plugin.optimizer_step(optimizer, model, closure_nan) is not None  # the loss is still returned
+    assert plugin.optimizer_steps_skipped == 1 and torch.equal(param.detach(), torch.full((2,), 0.5))
 
 
-def test_state_dict_round_trip_and_precision_mismatch():
+def test_state_dict_round_trip_and_cross_precision_resume(caplog):
     plugin = LowPrecisionPlugin("bf16")
-    plugin.optimizer_steps_applied = 7
+    plugin.optimizer_steps_applied, plugin.optimizer_steps_skipped = 7, 2
     restored = LowPrecisionPlugin("bf16")
     restored.load_state_dict(plugin.state_dict())
-    assert restored.optimizer_steps_applied == 7
-    with pytest.raises(ValueError, match=r"trained with precision='mxfp8'.*--precision mxfp8"):
-        restored.load_state_dict({"mode": "mxfp8", "optimizer_steps_applied": 1})
+    assert (restored.optimizer_steps_applied, restored.optimizer_steps_skipped) == (7, 2)
+    assert plugin.state_dict() == {"mode": "bf16", "optimizer_steps_applied": 7, "optimizer_steps_skipped": 2}
+    hif8 = LowPrecisionPlugin("hif8")
+    with caplog.at_level("WARNING"):
+        hif8.load_state_dict({"mode": "mxfp8", "optimizer_steps_applied": 3})  # checkpoints hold no 8-bit data
+    assert hif8.optimizer_steps_applied == 3 and "trained with precision='mxfp8'" in caplog.text
+
+
+def test_bf16_plugin_imports_no_low_precision_module():
+    """R3 / seed §13.1: low precision off imports neither the format layer, the plan nor torch_npu."""
+    code = (
+        "import sys, torch\n"
+        "from lp_lightning.lightning.precision import LowPrecisionFabricPlugin\n"
+        "from lp_lightning.models.deepseek_v3 import from_hf_config\n"
+        "plugin = LowPrecisionFabricPlugin('bf16')\n"
+        "model = plugin.convert_module(from_hf_config('dsv3-tiny', seed=0))\n"
+        "p = model.lm_head.weight; p.grad = torch.ones_like(p)\n"
+        "plugin.optimizer_step(torch.optim.AdamW([p]))\n"
+        "print(sorted(m for m in ('lp_lightning.formats.weight', 'lp_lightning.plan', 'torch_npu',"
+        " 'lp_lightning.distributed.refresh', 'lp_lightning.distributed.fsdp_extension') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -1,0 +1,597 @@
+"""Read-only probes of a training run: GEMM roles, high-precision GEMMs, refreshes, wire bytes (R12, seed §16.6).
+
+Each recorder observes and counts; none changes a tensor, a kernel choice or the order of any
+operation. :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` runs the cheap ones for
+every fit and writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an
+opt-in Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch
+mode under every aten op.
+
+**GEMM roles** (:class:`GemmRoleCounter`): an observer of ``lp_lightning.ops`` trace events
+(``add_gemm_observer``). Every low-precision GEMM emits one event naming its backend
+(``"emulated"``/``"npu"``), format and role; the counter keys them ``"dense.fprop"`` …
+``"grouped.wgrad"``.
+
+**High-precision GEMMs in replaced modules** (:class:`HighPrecisionGemmProbe`): a
+``TorchDispatchMode`` sees every aten op of the process. An aten GEMM (``mm``, ``addmm``,
+``bmm``, ``baddbmm``, ``_grouped_mm``, ``_scaled_mm`` …) counts as *high precision inside a
+replaced module* when it is not issued by a low-precision GEMM entry point
+(``lp_lightning.ops.current_gemm_role()`` is ``None``: the autograd layer declares a role exactly
+around its ``low_precision_matmul`` calls, and the emulated backend's FP32 matmul of exactly
+decoded operands runs inside it) and either
+
+- a replaced module's ``forward`` is running (forward pre/post hooks; also the recompute of
+  ``activation_checkpoint="full"``), or
+- no module forward is running and the autograd engine is executing the backward node of a
+  low-precision autograd function (``torch._C._current_autograd_node()``; names
+  ``_LowPrecisionLinearFunctionBackward``, ``_GroupedSwiGLUFunctionBackward``). The "no forward"
+  condition keeps an activation recompute triggered from such a node (which re-runs attention
+  core and the router, legitimately high precision) out of the count.
+
+Every other aten GEMM is counted as ``high_precision_gemms_elsewhere`` (attention core, router,
+LM head): a positive control that the probe sees GEMMs at all. Codec kernels run eagerly while the
+probe is active (``set_compiled_kernels(False)``; bit-identical by contract), because
+``torch.compile`` does not trace under a Python dispatch mode.
+
+**Refreshes** (:class:`RefreshCounter`): ``lp_lightning.distributed.refresh.RefreshRecorder``
+counts every storage build of every low-precision weight; the counter splits them per optimizer
+step (and reports the largest number of builds of one weight in one step, which must be 1).
+
+**Wire** (:class:`WireRecorder`), while active (training steps only, not validation):
+
+- per low-precision weight gather: FSDP2 calls ``QuantizedWeightTensor.fsdp_pre_all_gather`` on
+  the local shard right before it copies the all-gather inputs in; the recorder wraps that method
+  (restored on exit) and records the parameter FQN, phase (forward/backward), orientations and
+  the physical tensors it returned (dtype, shape, bytes). It never touches their contents.
+- per collective: the recorder wraps ``torch.distributed.all_gather_single`` and
+  ``torch.distributed.reduce_scatter_single`` (what FSDP2's default collectives call) and records
+  dtype and bytes of this rank's input. FSDP2 packs one unit's inputs into one buffer and views it
+  as ``uint8`` when their dtypes differ, so the bytes of a ``uint8`` buffer are split into the
+  low-precision slots announced by the pre-all-gather hooks since the previous collective, and the
+  rest, which are the unit's plain parameters cast to ``plain_dtype`` (the unit's
+  ``MixedPrecisionPolicy.param_dtype``, BF16) before the copy-in.
+- high-precision gathers of replaced weights: a forward pre-hook on every replaced module checks,
+  after FSDP2's unshard, that each declared low-precision parameter is a low-precision tensor
+  (``GatheredWeightTensor`` after a gather); a plain BF16/FP32 tensor there, or a pre-all-gather
+  output wider than one byte, is counted.
+
+Bytes are *this rank's collective inputs* (an all-gather moves ``W`` times that into every rank).
+A one-rank FSDP2 group issues no collective at all (FSDP2 copies the gather inputs locally), so a
+single-process run reports empty byte maps while its per-weight gather events are still recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
+
+__all__ = [
+    "GEMM_ROLE_KEYS",
+    "GemmRoleCounter",
+    "HighPrecisionGemmProbe",
+    "RefreshCounter",
+    "WireRecorder",
+    "replaced_modules",
+]
+
+GEMM_ROLE_KEYS: tuple[str, ...] = (
+    "dense.fprop",
+    "dense.dgrad",
+    "dense.wgrad",
+    "grouped.fprop",
+    "grouped.dgrad",
+    "grouped.wgrad",
+)
+"""The six training GEMM roles (dense|grouped × fprop|dgrad|wgrad, seed §8) as summary keys."""
+
+
+def replaced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of the modules holding low-precision weights (class attribute
+    ``low_precision_weight_names``: ``LowPrecisionLinear``, ``DeepseekV3LowPrecisionExperts``).
+
+    Activation-checkpoint wrappers are looked through: FQNs are the HF names.
+    """
+    out = []
+    for fqn, module in model.named_modules():
+        if getattr(type(module), "low_precision_weight_names", None) is not None:
+            out.append((fqn.replace("_checkpoint_wrapped_module.", ""), module))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMM roles
+
+
+class GemmRoleCounter:
+    """Counts low-precision GEMM trace events per role and per backend while active.
+
+    Attributes:
+        roles: ``{"dense.fprop": n, ...}`` (all six keys, zeros included).
+        backends: ``{"emulated": n}`` — the backend that computed each GEMM.
+        formats: ``{"mxfp8_e4m3": n}``.
+        unlabelled: Events issued without a declared role.
+    """
+
+    def __init__(self) -> None:
+        self.roles: dict[str, int] = dict.fromkeys(GEMM_ROLE_KEYS, 0)
+        self.backends: Counter[str] = Counter()
+        self.formats: Counter[str] = Counter()
+        self.unlabelled = 0
+        self._handle: Any = None
+
+    def _observe(self, event: Any) -> None:
+        if event.gemm_role is None:
+            self.unlabelled += 1
+        else:
+            self.roles[event.gemm_role.value.replace("_", ".", 1)] += 1
+        self.backends[event.backend] += 1
+        self.formats[event.format] += 1
+
+    def __enter__(self) -> GemmRoleCounter:
+        from lp_lightning.ops import add_gemm_observer
+
+        self._handle = add_gemm_observer(self._observe)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+# ------------------------------------------------------------------------------------------------
+# High-precision GEMMs
+
+
+def _gemm_packets() -> frozenset[Any]:
+    names = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "_grouped_mm", "_scaled_mm",
+             "_scaled_grouped_mm", "_int_mm")
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+class _HighPrecisionGemmMode(TorchDispatchMode):
+    """The dispatch mode of :class:`HighPrecisionGemmProbe` (see the module docstring)."""
+
+    def __init__(self, probe: HighPrecisionGemmProbe) -> None:
+        super().__init__()
+        self.probe = probe
+        self.gemms = _gemm_packets()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.overloadpacket in self.gemms:
+            self.probe._classify(func)
+        return func(*args, **(kwargs or {}))
+
+
+class HighPrecisionGemmProbe(Callback):
+    """Counts aten GEMMs inside replaced modules that are not low-precision GEMMs (must be 0).
+
+    Active from ``on_train_start`` to ``on_train_end`` (validation included). Add it to a run
+    with ``--trainer.callbacks+=lp_lightning.lightning.probes.HighPrecisionGemmProbe``; the
+    :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` copies its counts into
+    ``run_summary.json`` ``kernels``.
+
+    Attributes:
+        in_replaced: High-precision GEMMs attributed to replaced modules (the acceptance count).
+        elsewhere: Aten GEMMs outside replaced modules (positive control, > 0 in a DeepSeek run).
+        examples: Up to 20 ``"op (where)"`` strings of the ``in_replaced`` calls, for the report.
+        watched_modules: Number of replaced modules hooked.
+    """
+
+    def __init__(self) -> None:
+        self.in_replaced = 0
+        self.elsewhere = 0
+        self.examples: list[str] = []
+        self.watched_modules = 0
+        self._replaced_depth = 0
+        self._forward_depth = 0
+        self._backward_nodes: frozenset[str] = frozenset()
+        self._handles: list[Any] = []
+        self._mode: _HighPrecisionGemmMode | None = None
+        self._compiled_before: bool | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready counts."""
+        return {
+            "high_precision_gemms_in_replaced_modules": self.in_replaced,
+            "high_precision_gemms_elsewhere": self.elsewhere,
+            "high_precision_gemm_examples": list(self.examples),
+            "watched_replaced_modules": self.watched_modules,
+        }
+
+    def _classify(self, func: Any) -> None:
+        from lp_lightning.ops import current_gemm_role
+
+        if current_gemm_role() is not None:
+            return  # a low-precision GEMM entry point (emulated: FP32 matmul of decoded operands)
+        where = None
+        if self._replaced_depth > 0:
+            where = "replaced module forward"
+        elif self._forward_depth == 0:
+            node = torch._C._current_autograd_node()
+            if node is not None and node.name() in self._backward_nodes:
+                where = node.name()
+        if where is None:
+            self.elsewhere += 1
+            return
+        self.in_replaced += 1
+        if len(self.examples) < 20:
+            self.examples.append(f"{func} ({where})")
+
+    def _enter(self, attr: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            setattr(self, attr, getattr(self, attr) + 1)
+
+        return hook
+
+    def _exit(self, attr: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            setattr(self, attr, getattr(self, attr) - 1)
+
+        return hook
+
+    def start(self, model: nn.Module) -> None:
+        """Hook ``model`` and push the dispatch mode (also usable without a Trainer).
+
+        Raises:
+            RuntimeError: The probe is already active.
+        """
+        if self._mode is not None:
+            raise RuntimeError("HighPrecisionGemmProbe is already active.")
+        replaced = replaced_modules(model)
+        self.watched_modules = len(replaced)
+        if replaced:
+            from lp_lightning.functional import grouped_linear, linear
+
+            self._backward_nodes = frozenset(
+                f"{cls.__name__}Backward"
+                for cls in (linear._LowPrecisionLinearFunction, grouped_linear._GroupedSwiGLUFunction)
+            )
+        for module in model.modules():
+            self._handles.append(module.register_forward_pre_hook(self._enter("_forward_depth")))
+            self._handles.append(module.register_forward_hook(self._exit("_forward_depth"), always_call=True))
+        for _, module in replaced:
+            self._handles.append(module.register_forward_pre_hook(self._enter("_replaced_depth")))
+            self._handles.append(module.register_forward_hook(self._exit("_replaced_depth"), always_call=True))
+        from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+
+        self._compiled_before = compiled_kernels_enabled()
+        set_compiled_kernels(False)
+        self._mode = _HighPrecisionGemmMode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Pop the mode and remove the hooks (idempotent)."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._compiled_before is not None:
+            from lp_lightning.formats import set_compiled_kernels
+
+            set_compiled_kernels(self._compiled_before)
+            self._compiled_before = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start(pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stop()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# Refreshes
+
+
+class RefreshCounter:
+    """Storage builds of low-precision weights, split per optimizer step (wraps ``RefreshRecorder``).
+
+    Call :meth:`close_step` at the end of every optimizer step.
+
+    Attributes:
+        per_step: Builds during each closed step (a skipped step closes with 0).
+        max_per_weight: Largest number of builds of one weight within one step.
+        min_per_weight: Smallest number of builds of a weight within a step, over the weights
+            built in that step, ``None`` before any build.
+    """
+
+    def __init__(self) -> None:
+        from lp_lightning.distributed.refresh import RefreshRecorder
+
+        self._recorder = RefreshRecorder()
+        self._seen = 0
+        self.per_step: list[int] = []
+        self.max_per_weight = 0
+        self.min_per_weight: int | None = None
+        self.weights_per_step: list[int] = []
+
+    def __enter__(self) -> RefreshCounter:
+        self._recorder.__enter__()
+        self._active = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if getattr(self, "_active", False):
+            self._recorder.__exit__(*exc)
+            self._active = False
+
+    def close_step(self) -> None:
+        """Attribute the builds since the previous call to the step that just ended."""
+        events = self._recorder.events[self._seen :]
+        self._seen = len(self._recorder.events)
+        self.per_step.append(len(events))
+        counts = Counter(events)
+        self.weights_per_step.append(len(counts))
+        if counts:
+            self.max_per_weight = max(self.max_per_weight, max(counts.values()))
+            low = min(counts.values())
+            self.min_per_weight = low if self.min_per_weight is None else min(self.min_per_weight, low)
+
+    def discard_pending(self) -> None:
+        """Forget builds since the last step boundary (e.g. during validation)."""
+        self._seen = len(self._recorder.events)
+
+
+# ------------------------------------------------------------------------------------------------
+# Wire
+
+
+@dataclass(frozen=True)
+class WeightGather:
+    """One low-precision weight's all-gather inputs on this rank (from ``fsdp_pre_all_gather``).
+
+    Attributes:
+        fqn: Parameter FQN (HF name).
+        phase: ``"forward"`` or ``"backward"``.
+        orientations: MXFP8 orientations carried (HiF8: both, from one ``data``).
+        tensors: ``((dtype name, shape), ...)`` of the physical tensors, in slot order.
+        bytes: Their total size in bytes.
+    """
+
+    fqn: str
+    phase: str
+    orientations: tuple[str, ...]
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]
+    bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn,
+            "phase": self.phase,
+            "orientations": list(self.orientations),
+            "tensors": [[dtype, list(shape)] for dtype, shape in self.tensors],
+            "bytes": self.bytes,
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class WireRecorder:
+    """Records what FSDP2 all-gathers and reduce-scatters on this rank (see the module docstring).
+
+    Args:
+        plain_dtype: dtype FSDP2 casts plain parameters to before the all-gather (the
+            ``MixedPrecisionPolicy.param_dtype`` of the units that hold low-precision weights).
+        trace_steps: Number of optimizer steps whose individual events are kept in
+            :attr:`trace` (totals are kept for every step).
+
+    Attributes:
+        all_gather_bytes: ``{dtype name: bytes}`` over all closed steps.
+        reduce_scatter_bytes: ``{dtype name: bytes}`` over all closed steps.
+        steps: Closed optimizer steps.
+        high_precision_gathers_of_replaced: See the module docstring (must be 0).
+        gathers_per_weight: ``{fqn: {"forward": n, "backward": n}}`` over all closed steps.
+        trace: Events of the first ``trace_steps`` steps: ``{"step", "kind", ...}`` dicts.
+    """
+
+    def __init__(self, *, plain_dtype: torch.dtype = torch.bfloat16, trace_steps: int = 1) -> None:
+        self.plain_dtype = plain_dtype
+        self.trace_steps = trace_steps
+        self.all_gather_bytes: Counter[str] = Counter()
+        self.reduce_scatter_bytes: Counter[str] = Counter()
+        self.steps = 0
+        self.high_precision_gathers_of_replaced = 0
+        self.gathers_per_weight: dict[str, Counter[str]] = defaultdict(Counter)
+        self.trace: list[dict[str, Any]] = []
+        self._pending: list[WeightGather] = []
+        self._step_ag: Counter[str] = Counter()
+        self._step_rs: Counter[str] = Counter()
+        self._step_hp = 0
+        self._step_weights: dict[str, Counter[str]] = defaultdict(Counter)
+        self._step_trace: list[dict[str, Any]] = []
+        self._paused = False
+        self._stack = contextlib.ExitStack()
+        self._hooks: list[Any] = []
+
+    # -- observation -------------------------------------------------------------------------------
+    def _on_weight_gather(self, weight: Any, outputs: tuple[torch.Tensor, ...], metadata: Any) -> None:
+        tensors = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in outputs)
+        event = WeightGather(
+            fqn=weight.fqn,
+            phase=str(getattr(metadata, "phase", "?")),
+            orientations=tuple(getattr(metadata, "orientations", ())),
+            tensors=tensors,
+            bytes=sum(t.numel() * t.element_size() for t in outputs),
+        )
+        if self._paused:
+            return
+        self._pending.append(event)
+        self._step_weights[event.fqn][event.phase] += 1
+        if any(t.element_size() > 1 for t in outputs):
+            self._step_hp += 1
+        if self.steps < self.trace_steps:
+            self._step_trace.append({"kind": "weight_gather", **event.as_dict()})
+
+    def _on_collective(self, kind: str, tensor: torch.Tensor) -> None:
+        if self._paused:
+            self._pending.clear()
+            return
+        total = tensor.numel() * tensor.element_size()
+        dtype = _dtype_name(tensor.dtype)
+        if kind == "reduce_scatter":
+            self._step_rs[dtype] += total
+            split = {dtype: total}
+        else:
+            low = sum(e.bytes for e in self._pending)
+            if tensor.dtype == torch.uint8 and self._pending:
+                split = {"uint8": low}
+                if total > low:
+                    split[_dtype_name(self.plain_dtype)] = total - low
+            else:
+                split = {dtype: total}
+            for key, value in split.items():
+                self._step_ag[key] += value
+        if self.steps < self.trace_steps:
+            self._step_trace.append(
+                {
+                    "kind": kind,
+                    "buffer_dtype": dtype,
+                    "bytes": total,
+                    "bytes_by_dtype": dict(split),
+                    "low_precision_fqns": [e.fqn for e in self._pending],
+                }
+            )
+        self._pending.clear()
+
+    def _check_module_weights(self, module: nn.Module) -> None:
+        if self._paused:
+            return
+        weight_module = sys.modules.get("lp_lightning.formats.weight")
+        names = getattr(type(module), "low_precision_weight_names", ())
+        for name in names:
+            param = getattr(module, name, None)
+            low = weight_module is not None and isinstance(param, weight_module._LowPrecisionWeightBase)
+            if not low:
+                self._step_hp += 1
+                if self.steps < self.trace_steps:
+                    self._step_trace.append(
+                        {
+                            "kind": "high_precision_weight_in_replaced_module",
+                            "module_type": type(module).__name__,
+                            "param": name,
+                            "dtype": None if param is None else _dtype_name(param.dtype),
+                        }
+                    )
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self, model: nn.Module | None = None) -> None:
+        """Wrap the collectives (and the low-precision pre-all-gather hook, if loaded); hook ``model``."""
+        recorder = self
+
+        def wrap(name: str, kind: str) -> None:
+            original = getattr(dist, name, None)
+            if original is None:
+                return
+
+            @functools.wraps(original)
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                bound = signature.bind(*args, **kwargs)
+                recorder._on_collective(kind, bound.arguments[input_name])
+                return original(*args, **kwargs)
+
+            signature = inspect.signature(original)
+            input_name = list(signature.parameters)[1]  # (output, input, ...) in both APIs
+            setattr(dist, name, wrapped)
+            self._stack.callback(setattr, dist, name, original)
+
+        # What FSDP2's default collectives call (torch.distributed.fsdp._fully_shard._fsdp_collectives).
+        wrap("all_gather_single", "all_gather")
+        wrap("reduce_scatter_single", "reduce_scatter")
+
+        weight_module = sys.modules.get("lp_lightning.formats.weight")
+        if weight_module is not None:
+            cls = weight_module.QuantizedWeightTensor
+            original_pre = cls.fsdp_pre_all_gather
+
+            @functools.wraps(original_pre)  # FSDP2 inspects the signature (5 parameters)
+            def pre_all_gather(self_: Any, *args: Any, **kwargs: Any) -> Any:
+                outputs, metadata = original_pre(self_, *args, **kwargs)
+                recorder._on_weight_gather(self_, tuple(outputs), metadata)
+                return outputs, metadata
+
+            cls.fsdp_pre_all_gather = pre_all_gather
+            self._stack.callback(setattr, cls, "fsdp_pre_all_gather", original_pre)
+        if model is not None:
+            for _, module in replaced_modules(model):
+                self._hooks.append(module.register_forward_pre_hook(lambda m, args: recorder._check_module_weights(m)))
+
+    def stop(self) -> None:
+        """Restore every wrapped function and remove the hooks (idempotent)."""
+        self._stack.close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def pause(self) -> None:
+        """Stop attributing events (validation); they are dropped, not counted."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Attribute events again."""
+        self._paused = False
+
+    def close_step(self) -> None:
+        """Fold the events since the previous call into the totals of one optimizer step."""
+        self.all_gather_bytes.update(self._step_ag)
+        self.reduce_scatter_bytes.update(self._step_rs)
+        self.high_precision_gathers_of_replaced += self._step_hp
+        for fqn, counts in self._step_weights.items():
+            self.gathers_per_weight[fqn].update(counts)
+        if self.steps < self.trace_steps:
+            self.trace.extend({"step": self.steps, **event} for event in self._step_trace)
+        self.steps += 1
+        self._pending.clear()  # a one-rank group gathers without a collective (FSDP2 copies locally)
+        self._step_ag, self._step_rs = Counter(), Counter()
+        self._step_hp = 0
+        self._step_weights = defaultdict(Counter)
+        self._step_trace = []
+
+    def summary(self) -> dict[str, Any]:
+        """``run_summary.json`` ``wire`` section: totals per optimizer step (bytes are averages)."""
+        steps = max(self.steps, 1)
+        return {
+            "all_gather_bytes": {k: v / steps for k, v in sorted(self.all_gather_bytes.items())},
+            "reduce_scatter_bytes": {k: v / steps for k, v in sorted(self.reduce_scatter_bytes.items())},
+            "high_precision_gathers_of_replaced": self.high_precision_gathers_of_replaced,
+            "low_precision_weights_gathered": len(self.gathers_per_weight),
+            "gathers_per_step": {
+                phase: sum(c[phase] for c in self.gathers_per_weight.values()) / steps
+                for phase in ("forward", "backward")
+            },
+            "steps": self.steps,
+            "bytes_are": "this rank's collective inputs per optimizer step (training steps only)",
+        }
+
+
+@contextlib.contextmanager
+def record_wire(model: nn.Module | None = None, **kwargs: Any) -> Iterator[WireRecorder]:
+    """``with record_wire(model) as wire: ...; wire.close_step()`` — :class:`WireRecorder` as a context."""
+    recorder = WireRecorder(**kwargs)
+    recorder.start(model)
+    try:
+        yield recorder
+    finally:
+        recorder.stop()
