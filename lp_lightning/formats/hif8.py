@@ -27,12 +27,18 @@ slot's nominal 49152) → ±Inf, or ±32768 with ``saturate=True``; [2^-23, 2^-2
 |x| < 2^-23 → 0x00. Both rules at the bottom are exactly codebook-nearest with ties away, so the
 encoder equals "nearest code, ties to the larger magnitude" over the whole finite range.
 
+Speed: both kernels are branch-free integer arithmetic on bit patterns (no table gathers), written
+as plain vectorised torch and wrapped in ``@fused``, so the compiled twin is one vectorised loop;
+see ``_encode_kernel`` and ``_decode_kernel`` for the bit tricks and ``benchmarks/quantize.py``
+for the cost against the native FP8 casts.
+
 Tensor-name legend for this file:
-    x       input of any shape (any floating dtype; converted to FP32 first)
-    x_N     the same values flattened to one dimension of N elements
-    bits_N  the FP32 bit patterns of ``x_N`` as ``int32``
-    code_N  HiF8 codes (``int32`` while computed, ``uint8`` when returned)
-    tab_256 a 256-entry lookup table indexed by the 8-bit FP32 exponent field (or by a code)
+    x        input of any shape (any floating dtype; converted to FP32 first)
+    x_N      the same values flattened to one dimension of N elements
+    x_RC     ``x_N`` (or its first R·C elements) as R rows of C = ``_TILE_C`` (the encoder's tiles)
+    bound_C  the encoder's clamp bound repeated along a row of C elements
+    bits_RC  FP32 bit patterns as ``int32`` (every ``*_RC`` / ``*_N`` inside a kernel is int32)
+    code_N   HiF8 codes (``int32`` while computed, ``uint8`` when returned)
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ of at least 2 bits (|E| ≤ 7): the largest gradients never fall into the 1-bit 
 ≈30 binades of headroom remain for small gradients. Same as MindSpeed ``HIF8_224`` (grads)."""
 
 # ---------------------------------------------------------------------------------------------
-# The bit layout, declared once. Both the encoder's tables and the decoder's table derive from it.
+# The bit layout, declared once. The encoder's and the decoder's constants derive from it.
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,64 +170,127 @@ def _decode_payload(payload: int) -> float:
     return 0.0 if dml == 0 else 2.0 ** (dml - _DML_EXP_OFFSET)
 
 
-def _build_decode_table() -> torch.Tensor:
-    """FP32 value of every code 0x00..0xFF, derived from the bit layout (not typed in)."""
-    values = []
-    for code in range(256):
-        magnitude = _decode_payload(code & 0x7F)
-        sign = -1.0 if code & 0x80 else 1.0
-        values.append(float("nan") if code == HIF8_NAN_CODE else sign * magnitude)
-    return torch.tensor(values, dtype=torch.float32)
+_FP32_INF_BITS = 0x7F800000
+_FP32_NAN_BITS = 0x7FC00000  # the quiet NaN torch produces for float("nan")
+_FP32_SIGN_BIT = -(1 << 31)  # int32 with only bit 31 set
+
+_cache_lock = threading.Lock()
 
 
-def _build_encode_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-FP32-exponent-field tables for the encoder (index = biased exponent 0..255).
+# ---------------------------------------------------------------------------------------------
+# Encoder constants. Every number the encode kernel uses is derived here from the layout above
+# (``_NORMAL_BANDS``) and checked against it, so the kernel holds no hand-typed magic values.
+
+_MAX_MAN_WIDTH = max(band.man_width for band in _NORMAL_BANDS)  # 3, the finest band
+_ROUND_SHIFT_FINEST = _FP32_MAN_BITS - _MAX_MAN_WIDTH  # 20: FP32 mantissa bits the finest band drops
+_HALF_ULP_FINEST = 1 << (_ROUND_SHIFT_FINEST - 1)  # half a HiF8 ulp at m = 3, in FP32 mantissa LSBs
+_MAX_SHIFT = 31  # largest legal int32 shift; table reads past |E| = 15 are clamped to it
+_ES_WEIGHT_UNIT = 8  # the Es bit weighs 8 (Dot 001) or 16 (Dot 01/10/11); tables store eighths
+
+
+def _to_int32(value: int) -> int:
+    """The Python int whose two's-complement int32 bit pattern is the low 32 bits of ``value``."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _band_constants(band: _DotBand) -> tuple[int, int, int]:
+    """``(narrowing, base, es_weight)`` of one normal band (FORMATS.md §1.2).
+
+    With ``y = (|E| << m) | M`` (the exponent magnitude, its implicit leading 1 included,
+    followed by the ``m`` mantissa bits) the 7-bit payload is ``y + base + Es * es_weight``:
+    ``base`` is the Dot prefix in place minus the implicit leading 1 of ``|E|`` that ``y``
+    carries, ``es_weight`` the place of the Es bit, ``narrowing = 3 - m`` the number of mantissa
+    bits the band has fewer than the finest one.
+    """
+    implicit = (1 << (band.exp_width - 1)) << band.man_width if band.exp_width else 0
+    base = (band.prefix << (_PAYLOAD_BITS - band.prefix_len)) - implicit
+    # Dot 0001 (E = 0) has no Es bit; its weight is never used (Es = 0) and 8 keeps the identity
+    # ``base = base_step * narrowing + es_weight`` true for it too.
+    es_weight = 1 << (_PAYLOAD_BITS - band.prefix_len - 1) if band.exp_width else _ES_WEIGHT_UNIT
+    return _MAX_MAN_WIDTH - band.man_width, base, es_weight
+
+
+def _build_band_tables() -> tuple[int, int, int]:
+    """Per-``|E|`` tables packed two bits per entry into int32 constants, and the base step.
 
     Returns:
-        ``(half_ulp_256, shift_256, pack_256)``, all ``int32``:
-        ``half_ulp_256[f]`` is added to the 23-bit FP32 mantissa to round to nearest, ties away
-        (half a HiF8 ulp of that binade; 2^23 at E = −23 forces the carry to 2^-22, 0 where the
-        value flushes to zero); ``shift_256[f]`` drops the FP32 mantissa bits HiF8 does not keep;
-        ``pack_256[f]`` is the code of 2^E (mantissa 0), or 0 where E flushes to zero. ``f`` above
-        142 (E > 15) never reaches the tables: those inputs are overflow or NaN.
+        ``(narrowing_table, es_table, base_step)``. Entry ``e`` (bits ``2e+1 .. 2e``) of
+        ``narrowing_table`` is ``3 - m`` for ``|E| = e``, ``e = 0 … 15``; entry ``e`` of
+        ``es_table`` is that band's ``es_weight / 8``. The kernel reads an entry with one
+        variable shift, ``(table >> 2|E|) & 3``. For ``|E| >= 16`` the shift is clamped to 31 and
+        reads the sign bit repeated: the top entry of ``narrowing_table`` (``|E| = 15``,
+        narrowing 2 = 0b10) sets bit 31, so these reads give 3, i.e. ``m = 0``, which is exactly
+        the denormal band. ``base_step`` is the slope of ``base = base_step * narrowing +
+        es_weight``, an identity of this layout that lets the kernel get ``base`` (up to 80, too
+        wide for a 2-bit entry) from the two tables.
     """
-    half_ulp, shift, pack = [0] * 256, [_FP32_MAN_BITS] * 256, [0] * 256
-    for field in range(256):
-        exponent = field - _FP32_BIAS
-        if exponent < _MIN_DML_EXP - 1 or exponent > _MAX_EXP:
-            continue  # flush to zero below 2^-23; overflow/NaN handled outside the tables
-        if exponent == _MIN_DML_EXP - 1:  # [2^-23, 2^-22): always round up to 2^-22
-            half_ulp[field] = 1 << _FP32_MAN_BITS
-        elif exponent < -_MAX_EXP:  # denormal binade: no mantissa, round at 1.5 · 2^E
-            half_ulp[field] = 1 << (_FP32_MAN_BITS - 1)
-            pack[field] = exponent + _DML_EXP_OFFSET
-        else:
-            man_width = _band_of(exponent).man_width
-            half_ulp[field] = 1 << (_FP32_MAN_BITS - man_width - 1)
-            shift[field] = _FP32_MAN_BITS - man_width
-            pack[field] = _normal_payload(exponent, 0)
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return as_tensor(half_ulp), as_tensor(shift), as_tensor(pack)
+    narrowing_table = es_table = 0
+    for e in range(_MAX_EXP + 1):
+        narrowing, _, es_weight = _band_constants(_band_of(e))
+        narrowing_table |= narrowing << (2 * e)
+        es_table |= (es_weight // _ES_WEIGHT_UNIT) << (2 * e)
+    steps = {(base - es) // n for n, base, es in map(_band_constants, _NORMAL_BANDS) if n}
+    assert len(steps) == 1, f"base is not linear in the narrowing: {steps}"
+    (base_step,) = steps
+    for band in _NORMAL_BANDS:
+        narrowing, base, es_weight = _band_constants(band)
+        assert base == base_step * narrowing + es_weight, f"base identity fails for {band}"
+        assert es_weight % _ES_WEIGHT_UNIT == 0 and 0 < es_weight // _ES_WEIGHT_UNIT <= 3
+    assert narrowing_table >> _MAX_SHIFT == 1, "|E| >= 16 must read narrowing 3 (m = 0)"
+    return _to_int32(narrowing_table), _to_int32(es_table), base_step
 
 
-_DECODE_TABLE_256 = _build_decode_table()
-_ENCODE_TABLES = _build_encode_tables()
-_OVERFLOW_BITS = int(torch.tensor(HIF8_OVERFLOW_THRESHOLD, dtype=torch.float32).view(torch.int32))
-_FP32_INF_BITS = 0x7F800000
+_NARROWING_TABLE, _ES_TABLE, _BASE_STEP = _build_band_tables()
+_ZERO_BELOW = 2.0 ** (_MIN_DML_EXP - 1)  # 2^-23, half the smallest denormal: below it rounds to 0
+assert _ZERO_BELOW == 2.0**-23  # the literal in ``_encode_kernel``
+_INF_SLOT_MANTISSA = (1 << _band_of(_MAX_EXP).man_width) - 1  # 0x6F is E = 15 with all mantissa bits set
+_INF_SLOT_VALUE = 2.0**_MAX_EXP * (1 + _INF_SLOT_MANTISSA / (_INF_SLOT_MANTISSA + 1))  # 49152
+assert _normal_payload(_MAX_EXP, _INF_SLOT_MANTISSA) == HIF8_POS_INF_CODE
+assert HIF8_OVERFLOW_THRESHOLD == (HIF8_MAX + _INF_SLOT_VALUE) / 2
 
-_table_lock = threading.Lock()
-_tables_on_device: dict[tuple[str, torch.device], tuple[torch.Tensor, ...]] = {}
+# Decoder constants (the same layout read the other way).
+_DOT2_SHIFT = _PAYLOAD_BITS - 2  # payload >> 5: the Dot if it is 2 bits long, else 0
+_FIRST_ES_PAYLOAD = 1 << (_PAYLOAD_BITS - 3)  # 16: smallest payload under Dot 001 (first with Es)
+_MAX_DML_PAYLOAD = (1 << (_PAYLOAD_BITS - _DML_PREFIX_LEN)) - 1  # 7: largest denormal payload
 
 
-def _tables(kind: str, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The lookup tables of ``kind`` ("encode" or "decode") copied once to ``device``."""
-    key = (kind, device)
-    cached = _tables_on_device.get(key)
-    if cached is None:
-        source = _ENCODE_TABLES if kind == "encode" else (_DECODE_TABLE_256,)
-        with _table_lock:
-            cached = _tables_on_device.setdefault(key, tuple(t.to(device) for t in source))
-    return cached
+def _check_decoder_constants() -> None:
+    """The decoder reads each band's narrowing and Es weight from the Dot's first two bits."""
+    for band in _NORMAL_BANDS:
+        narrowing, _, es_weight = _band_constants(band)
+        dot2 = band.prefix if band.prefix_len == 2 else 0
+        assert narrowing == max(dot2 - 1, 0) and es_weight == _ES_WEIGHT_UNIT << min(dot2, 1), band
+
+
+_check_decoder_constants()
+
+# The compiled encoder runs on [R, _TILE_C] tiles with a static inner width (see ``encode``).
+_TILE_C = 1024
+_bound_rows: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def _mark_static(t: torch.Tensor, dim: int) -> None:
+    """Pin ``t.shape[dim]`` in the compiled kernel's graph (sizes are otherwise symbolic)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static(t, dim)
+
+
+def _bound_row(saturate: bool, device: torch.device) -> torch.Tensor:
+    """The clamp bound as a ``float32`` row of ``_TILE_C`` equal entries, cached per device.
+
+    ``49152`` (the Inf slot 0x6F read as a normal value, 1.5·2^15) makes every |x| ≥ 40960 and
+    ±Inf round to 0x6F; ``32768`` (HIF8_MAX, code 0x6E) saturates them. NaN is handled apart.
+    """
+    key = (saturate, device)
+    row = _bound_rows.get(key)
+    if row is None:
+        value = HIF8_MAX if saturate else _INF_SLOT_VALUE
+        row = torch.full((_TILE_C,), value, dtype=torch.float32, device=device)
+        _mark_static(row, 0)
+        with _cache_lock:
+            row = _bound_rows.setdefault(key, row)
+    return row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,39 +298,112 @@ def _tables(kind: str, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 @fused
-def _encode_kernel(
-    x_N: torch.Tensor,
-    half_ulp_256: torch.Tensor,
-    shift_256: torch.Tensor,
-    pack_256: torch.Tensor,
-    overflow_code: int,
-) -> torch.Tensor:
-    """FP32 ``x_N`` → ``uint8`` HiF8 codes, TA rounding (FORMATS.md §1.5). See ``encode``."""
-    bits_N = x_N.view(torch.int32)
-    negative_N = bits_N < 0
-    abs_bits_N = bits_N & 0x7FFFFFFF
-    is_nan_N = abs_bits_N > _FP32_INF_BITS
-    overflow_N = (abs_bits_N >= _OVERFLOW_BITS) & ~is_nan_N
-    # Specials leave the table path (their exponent field 255 would index past E = 15).
-    abs_bits_N = torch.where(is_nan_N | overflow_N, 0, abs_bits_N)
-    field_N = (abs_bits_N >> _FP32_MAN_BITS).long()
-    mantissa_N = abs_bits_N & ((1 << _FP32_MAN_BITS) - 1)
-    # Step 6: add half a HiF8 ulp and truncate; a carry moves to the next binade with mantissa 0.
-    rounded_N = mantissa_N + half_ulp_256[field_N]
-    carry_N = rounded_N >> _FP32_MAN_BITS
-    kept_N = (rounded_N & ((1 << _FP32_MAN_BITS) - 1)) >> shift_256[field_N]
-    code_N = pack_256[field_N + carry_N] | kept_N
-    # Step 7: sign bit, except for zero (HiF8 has a single zero code).
-    code_N = torch.where(negative_N & (code_N != 0), code_N | 0x80, code_N)
-    code_N = torch.where(overflow_N, torch.where(negative_N, overflow_code | 0x80, overflow_code), code_N)
-    code_N = torch.where(is_nan_N, HIF8_NAN_CODE, code_N)
-    return code_N.to(torch.uint8)
+def _encode_kernel(x_RC: torch.Tensor, bound_C: torch.Tensor) -> torch.Tensor:
+    """FP32 ``x_RC`` → ``uint8`` HiF8 codes with TA rounding (FORMATS.md §1.5). See ``encode``.
+
+    Branch-free integer arithmetic on the FP32 bit patterns and no table gathers, so that the
+    compiled twin is a single vectorised loop (``at::vec`` on CPU). Per element, with ``E`` the
+    unbiased FP32 exponent and ``m`` the mantissa width of the band that holds ``|E|``:
+
+    1. ``mag = min(|bits|, bits(bound))``: |x| ≥ 40960 and ±Inf become the bound, which rounds
+       to 0x6F (Inf), or is 0x6E (32768) when saturating (§1.5 step 3). Non-negative floats
+       order like their bit patterns, so the clamp is an integer minimum.
+    2. ``narrowing = 3 - m``, read from a 2-bit-per-entry table packed in one int32 constant by
+       a variable shift of ``2|E|`` (``_build_band_tables``); ``|E| >= 16`` reads ``m = 0``.
+    3. Nearest, ties away from zero: add half a HiF8 ulp, ``2^(19 + narrowing)`` FP32 mantissa
+       LSBs, to the magnitude's bit pattern (step 6): the first dropped bit decides, and a carry
+       out of the mantissa increments the exponent field by itself. The dropped bits stay in
+       place and are shifted out in 5.
+    4. The rounded exponent ``E'`` (``E``, or ``E + 1`` after a carry) selects the band ``m'``
+       that packs the result, from the same tables.
+    5. ``y = (|E'| << m') | M'``: the biased exponent field is swapped for ``|E'|`` and the
+       ``23 - m'`` low bits are shifted out. The payload is ``y + base + Es * es_weight`` with
+       ``base = 32 * narrowing' + es_weight`` (``_band_constants``).
+    6. Denormal band (``m' = 0``, ``E' <= -16``, where the table index saturates at 31):
+       payload ``E' + 23``, at least 1 so that [2^-23, 2^-22) gives 2^-22 (step 5). Last the
+       sign bit, except for zero (|x| < 2^-23 → 0x00, steps 2 and 4), and NaN → 0x80 (step 1);
+       these two tests compare floats (cheaper than integer ones in the compiled loop: their
+       constants stay in memory operands).
+
+    Args:
+        x_RC: ``float32`` tensor ``[R, C]``, contiguous.
+        bound_C: ``float32`` tensor ``[C]``, every entry the clamp bound of step 1, ``49152.0``
+            or ``32768.0`` (``_bound_row``). A row rather than a scalar: it keeps the compiled
+            twin a two-level loop whose inner trip count ``C`` is a compile-time constant
+            (see ``encode``).
+
+    Returns:
+        ``uint8`` codes ``[R, C]``.
+    """
+    bits_RC = x_RC.view(torch.int32)
+    abs_RC = bits_RC & 0x7FFFFFFF
+    mag_RC = torch.minimum(abs_RC, bound_C.view(torch.int32))
+    exp_RC = (mag_RC >> _FP32_MAN_BITS) - _FP32_BIAS
+    narrowing_RC = (_NARROWING_TABLE >> torch.clamp(exp_RC.abs() * 2, max=_MAX_SHIFT)) & 3
+    sum_RC = mag_RC + (_HALF_ULP_FINEST << narrowing_RC)
+    field_RC = sum_RC >> _FP32_MAN_BITS  # biased exponent of the rounded magnitude
+    rexp_RC = field_RC - _FP32_BIAS
+    rmag_RC = rexp_RC.abs()
+    index_RC = torch.clamp(rmag_RC * 2, max=_MAX_SHIFT)
+    rnarrowing_RC = (_NARROWING_TABLE >> index_RC) & 3
+    es_weight_RC = ((_ES_TABLE >> index_RC) & 3) * _ES_WEIGHT_UNIT
+    # Adding (|E'| - field) * 2^23 swaps the exponent field for |E'|. A multiply rather than a
+    # shift because the factor is negative when E' >= 0; compilers emit a shift for it anyway.
+    swapped_RC = sum_RC + (rmag_RC - field_RC) * (1 << _FP32_MAN_BITS)
+    y_RC = swapped_RC >> (rnarrowing_RC + _ROUND_SHIFT_FINEST)
+    # base + Es * es_weight, with base = 32 * narrowing + es_weight (``_build_band_tables``).
+    es_part_RC = torch.where(rexp_RC < 0, es_weight_RC + es_weight_RC, es_weight_RC)
+    normal_RC = y_RC + rnarrowing_RC * _BASE_STEP + es_part_RC
+    dml_RC = torch.clamp(_DML_EXP_OFFSET - rmag_RC, min=1)  # E' + 23, as E' = -|E'| here
+    # The table index saturates (|E'| >= 16) exactly in the denormal band.
+    code_RC = torch.where(index_RC == _MAX_SHIFT, dml_RC, normal_RC)
+    code_RC = torch.where(bits_RC < 0, code_RC | 0x80, code_RC)
+    # 2^-23 (= _ZERO_BELOW) written as a literal: torch.compile turns a global Python float into a
+    # run-time input, which costs a load and a conversion per iteration.
+    code_RC = torch.where(x_RC.abs() < 2.0**-23, HIF8_ZERO_CODE, code_RC)
+    code_RC = torch.where(x_RC != x_RC, HIF8_NAN_CODE, code_RC)
+    # Narrowed through float32 (exact for 0..255): compiled CPU code converts float → uint8 with
+    # vector instructions but int32 → uint8 one element at a time.
+    return code_RC.float().to(torch.uint8)
 
 
 @fused
-def _decode_kernel(code_N: torch.Tensor, value_256: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``uint8`` codes → values of ``out_dtype`` by lookup in the FP32 table (exact, see ``decode``)."""
-    return value_256[code_N.long()].to(out_dtype)
+def _decode_kernel(code_N: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``uint8`` HiF8 codes → values of ``out_dtype`` (exact, see ``decode``).
+
+    The inverse of ``_encode_kernel``'s packing, again branch-free integer arithmetic: the FP32
+    bit pattern is assembled from the code's fields and reinterpreted. With ``p`` the 7-bit
+    payload: its top two bits are the Dot for ``|E| >= 2`` (01, 10, 11 → ``narrowing`` 0, 1, 2)
+    and 0 for the longer Dots 001/0001 (``narrowing`` 0, ``m = 3``); the Es bit weighs 16 under
+    a 2-bit Dot and 8 under 001; then ``y = (|E| << m) | M = p - base - Es * es_weight`` and
+    ``y << (20 + narrowing)`` is ``|E|`` in the FP32 exponent field followed by ``M`` at the top
+    of the mantissa. Denormal payloads 1..7 are ``2^(p - 23)``, payload 0 is zero, 0x6F/0xEF
+    are ±Inf and 0x80 is NaN.
+
+    Args:
+        code_N: ``uint8`` codes ``[N]``.
+        out_dtype: floating dtype of the result.
+
+    Returns:
+        ``[N]`` tensor of ``out_dtype``.
+    """
+    code_N = code_N.to(torch.int32)
+    payload_N = code_N & 0x7F
+    dot2_N = payload_N >> _DOT2_SHIFT
+    narrowing_N = torch.clamp(dot2_N - 1, min=0)
+    es_weight_N = _ES_WEIGHT_UNIT << torch.clamp(dot2_N, max=1)
+    es_bit_N = torch.where(payload_N >= _FIRST_ES_PAYLOAD, payload_N & es_weight_N, 0)
+    y_N = payload_N - narrowing_N * _BASE_STEP - es_weight_N - es_bit_N
+    z_N = y_N << (narrowing_N + _ROUND_SHIFT_FINEST)  # |E| << 23 | M << (23 - m)
+    # A negative exponent (Es = 1) subtracts |E| from the bias instead of adding it.
+    signed_N = torch.where(es_bit_N > 0, z_N - ((z_N >> _FP32_MAN_BITS) << (_FP32_MAN_BITS + 1)), z_N)
+    normal_N = signed_N + (_FP32_BIAS << _FP32_MAN_BITS)
+    dml_N = torch.where(payload_N > 0, (payload_N + _FP32_BIAS - _DML_EXP_OFFSET) << _FP32_MAN_BITS, 0)
+    bits_N = torch.where(payload_N > _MAX_DML_PAYLOAD, normal_N, dml_N)
+    bits_N = torch.where(payload_N == HIF8_POS_INF_CODE, _FP32_INF_BITS, bits_N)
+    bits_N = torch.where(code_N > 0x7F, bits_N | _FP32_SIGN_BIT, bits_N)
+    bits_N = torch.where(code_N == HIF8_NAN_CODE, _FP32_NAN_BITS, bits_N)
+    return bits_N.view(torch.float32).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,10 +440,24 @@ def encode(x: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
             f"got {x.dtype}; convert it with x.float() first."
         )
     x_N = x.detach().to(torch.float32).contiguous().reshape(-1)
-    if x_N.numel() == 0:
+    n = x_N.numel()
+    if n == 0:
         return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    overflow_code = 0x6E if saturate else HIF8_POS_INF_CODE
-    code_N = _encode_kernel(x_N, *_tables("encode", x_N.device), overflow_code)
+    # [R, 1024] tiles plus a ragged tail: with the inner width pinned (and the bound passed as a
+    # row, which keeps the two loop levels apart) the compiled kernel's inner loop has a constant
+    # trip count. With one flat dynamic loop the CPU compiler re-reads the loop bound after every
+    # store inside the OpenMP region and rebuilds the kernel's constants on each iteration.
+    bound_C = _bound_row(saturate, x_N.device)
+    rows = n // _TILE_C
+    code_parts = []
+    if rows:
+        x_RC = x_N[: rows * _TILE_C].view(rows, _TILE_C)
+        _mark_static(x_RC, 1)
+        code_parts.append(_encode_kernel(x_RC, bound_C).reshape(-1))
+    tail = n - rows * _TILE_C
+    if tail:  # fewer than _TILE_C elements: below MIN_FUSED_NUMEL, so ``fused`` runs them eagerly
+        code_parts.append(_encode_kernel(x_N[rows * _TILE_C :].view(1, tail), bound_C[:tail]).reshape(-1))
+    code_N = code_parts[0] if len(code_parts) == 1 else torch.cat(code_parts)
     return code_N.reshape(x.shape)
 
 
@@ -332,5 +488,4 @@ def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     code_N = codes.contiguous().reshape(-1)
     if code_N.numel() == 0:
         return torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    (value_256,) = _tables("decode", code_N.device)
-    return _decode_kernel(code_N, value_256, dtype).reshape(codes.shape)
+    return _decode_kernel(code_N, dtype).reshape(codes.shape)

@@ -181,6 +181,14 @@ def test_other_input_dtypes_convert_through_fp32(dtype):
     assert torch.equal(got, encode(x.float()))
 
 
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 3 * 1024 + 5])
+def test_tile_boundaries(n):
+    # encode() runs whole [R, 1024] tiles and a ragged tail separately, then joins them.
+    x = torch.randn(n) * torch.exp2(torch.randint(-24, 17, (n,)).float())
+    _assert_codes_equal(encode(x), reference_encode(x), x)
+    _assert_codes_equal(encode(x, saturate=True), reference_encode(x, saturate=True), x)
+
+
 def test_shapes_and_non_contiguous_inputs():
     x = torch.randn(3, 4, 5) * 10
     xt = x.transpose(0, 2)
@@ -196,22 +204,54 @@ def test_fused_kernel_is_bitwise_equal_to_eager():
     n = 1 << 15
     x = torch.cat([(torch.randn(n) * torch.exp2(torch.randint(-24, 17, (n,)).float())),
                    _midpoint_probes(), SPECIALS])
-    x_N = x.contiguous()
-    tables = hif8._tables("encode", x_N.device)
+    x = torch.cat([x, torch.randn(-x.numel() % hif8._TILE_C)])  # whole [R, C] tiles
+    x_RC = x.view(-1, hif8._TILE_C)
     with warnings.catch_warnings():
         # The fused wrapper falls back to eager with a RuntimeWarning when compiling fails: here
         # that must be an error, or this test would compare eager with eager.
         warnings.filterwarnings("error", message="torch.compile of", category=RuntimeWarning)
-        for overflow_code in (0x6F, 0x6E):
-            fused_codes = hif8._encode_kernel(x_N, *tables, overflow_code)
-            eager_codes = hif8._encode_kernel.eager(x_N, *tables, overflow_code)
+        for saturate in (False, True):
+            bound_C = hif8._bound_row(saturate, x.device)
+            hif8._mark_static(x_RC, 1)
+            fused_codes = hif8._encode_kernel(x_RC, bound_C)
+            eager_codes = hif8._encode_kernel.eager(x_RC, bound_C)
             assert torch.equal(fused_codes, eager_codes)
+            _assert_codes_equal(fused_codes, reference_encode(x_RC, saturate=saturate), x_RC)
+        # The public path: [R, C] tiles compiled, a ragged tail (37 elements) eager, joined.
+        x_ragged = x[: 20 * hif8._TILE_C + 37]
+        _assert_codes_equal(encode(x_ragged), reference_encode(x_ragged), x_ragged)
         codes = torch.arange(256, dtype=torch.uint8).repeat(128)  # every code, past MIN_FUSED_NUMEL
-        (value_256,) = hif8._tables("decode", codes.device)
         for out_dtype, bits_dtype in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
-            fused_vals = hif8._decode_kernel(codes, value_256, out_dtype)
-            eager_vals = hif8._decode_kernel.eager(codes, value_256, out_dtype)
+            fused_vals = hif8._decode_kernel(codes, out_dtype)
+            eager_vals = hif8._decode_kernel.eager(codes, out_dtype)
             assert torch.equal(fused_vals.view(bits_dtype), eager_vals.view(bits_dtype))
+
+
+def test_decoder_arithmetic_matches_a_parse_of_the_layout():
+    # The kernel's bit assembly against the field-by-field parse of FORMATS.md §1.2 (the code
+    # table test above checks both against the hand-typed §1.4 table); bit-exact incl. NaN.
+    got = decode(torch.arange(256, dtype=torch.uint8))
+    parsed = [hif8._decode_payload(code & 0x7F) * (-1.0 if code & 0x80 else 1.0) for code in range(256)]
+    parsed[hif8.HIF8_NAN_CODE] = math.nan
+    assert torch.equal(got.view(torch.int32), torch.tensor(parsed, dtype=torch.float32).view(torch.int32))
+
+
+def test_encoder_band_tables_follow_the_layout():
+    # Entry |E| of the packed tables, read the way the kernel reads them (shift clamped to 31):
+    # 3 - m for the band of |E|, and m = 0 (the denormal band) for every |E| >= 16.
+    for magnitude in range(0, 128):
+        shift = torch.tensor(min(2 * magnitude, 31), dtype=torch.int32)
+        narrowing = int((hif8._NARROWING_TABLE >> shift) & 3)
+        man_width = hif8._band_of(magnitude).man_width if magnitude <= 15 else 0
+        assert narrowing == 3 - man_width, magnitude
+        if magnitude <= 15:
+            es_weight = int((hif8._ES_TABLE >> shift) & 3) * 8
+            band = hif8._band_of(magnitude)
+            base = hif8._BASE_STEP * narrowing + es_weight
+            # The payload of 2^|E| (mantissa 0) from y = |E| << m, as the kernel forms it.
+            assert (magnitude << man_width) + base == hif8._normal_payload(magnitude, 0), magnitude
+            if band.exp_width:
+                assert (magnitude << man_width) + base + es_weight == hif8._normal_payload(-magnitude, 0)
 
 
 def test_constants_agree_with_the_code_table():
