@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lp_lightning.formats.operand import QuantizationRole
+from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand
 from lp_lightning.formats.recipe import LowPrecisionRecipe
 from lp_lightning.functional.linear import (
     activation_dtype,
@@ -83,6 +83,66 @@ def swiglu_backward(
     d_gate32 = grad_h32 * up32 * sig32 * (1.0 + gate32 * (1.0 - sig32))
     d_up32 = grad_h32 * gate32 * sig32
     return torch.cat([d_gate32, d_up32], dim=-1)
+
+
+def _grouped_linear_backward(
+    recipe: LowPrecisionRecipe,
+    dy_TN: torch.Tensor,
+    weight: torch.Tensor,
+    input_col: QuantizedOperand | None,
+    group_list_E: torch.Tensor,
+    *,
+    need_dinput: bool,
+    dinput_dtype: torch.dtype,
+    need_dweight: bool,
+    who: str,
+    name: str,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dgrad and wgrad of one grouped linear ``y_g = a_g · W_g`` (the two backward GEMMs of it).
+
+    ``dy`` is quantized once per needed orientation (GRAD_OUTPUT row for dgrad, col-grouped for
+    wgrad), then ``da = dy_g · W_gᵀ`` ("NT", WEIGHT_BWD row) and ``dW_g = a_gᵀ · dy_g`` ("TN",
+    INPUT_BWD col-grouped × GRAD_OUTPUT col-grouped), in that order.
+
+    Args:
+        recipe: The quantization recipe of the forward.
+        dy_TN: ``[T, N]`` gradient of the output, any floating dtype (FP32 straight from SwiGLU
+            backward, or the activation dtype).
+        weight: The low-precision weight, HF layout ``[E, N, K]``.
+        input_col: ``INPUT_BWD`` col-grouped operand of the forward input ``a`` ``[T, K]``;
+            required when ``need_dweight``.
+        group_list_E: ``int64`` rows per expert ``[E]``.
+        need_dinput: Compute ``da`` ``[T, K]`` in ``dinput_dtype``.
+        dinput_dtype: Output dtype of the dgrad GEMM.
+        need_dweight: Compute ``dW`` in the HF layout ``[E, N, K]`` and the weight's dtype.
+        who: The caller, named in errors.
+        name: The weight's argument name, named in errors.
+
+    Returns:
+        ``(da_TK, dW_ENK)``, each ``None`` when not needed.
+    """
+    requests = ([(_ROLE.GRAD_OUTPUT, "row")] if need_dinput else []) + (
+        [(_ROLE.GRAD_OUTPUT, "col")] if need_dweight else []
+    )
+    dy_ops = list(quantize_for_gemms(recipe, dy_TN, requests, group_list=group_list_E))
+    d_input = d_weight = None
+    if need_dinput:
+        with gemm_role(GemmRole.GROUPED_DGRAD):
+            d_input = low_precision_grouped_matmul(
+                dy_ops.pop(0),
+                select_weight(weight, "row", who=who, name=name),
+                group_list_E,
+                layout="NT",
+                output_dtype=dinput_dtype,
+            )
+    if need_dweight:
+        assert input_col is not None, f"forward saves the INPUT_BWD operand of {name}'s input whenever it needs a gradient"
+        with gemm_role(GemmRole.GROUPED_WGRAD):
+            d_weight_EKN = low_precision_grouped_matmul(
+                input_col, dy_ops.pop(0), group_list_E, layout="TN", output_dtype=weight.dtype
+            )
+        d_weight = d_weight_EKN.transpose(-2, -1).contiguous()
+    return d_input, d_weight
 
 
 class _GroupedSwiGLUFunction(torch.autograd.Function):
@@ -163,61 +223,38 @@ class _GroupedSwiGLUFunction(torch.autograd.Function):
         h_col = unpack_operand(tensors, ctx.h_meta) if ctx.h_meta is not None else None
         need_dx, _, need_dgu, need_dd = ctx.needs_input_grad[:4]
         need_dh = need_dx or need_dgu
-        dx_TH = d_gate_up = d_down = None
+        dx_TH = d_gate_up = None
         recipe = ctx.recipe
         with autocast_disabled(dy_TH):
-            dy_ops = list(
-                quantize_for_gemms(
-                    recipe,
-                    dy_TH,
-                    ([(_ROLE.GRAD_OUTPUT, "row")] if need_dh else []) + ([(_ROLE.GRAD_OUTPUT, "col")] if need_dd else []),
-                    group_list=group_list_E,
-                )
+            # down: dh = dy · Wdᵀ (FP32, feeds SwiGLU backward) and dWd = hᵀ · dy.
+            dh32_TF, d_down = _grouped_linear_backward(
+                recipe,
+                dy_TH,
+                down_weight,
+                h_col,
+                group_list_E,
+                need_dinput=need_dh,
+                dinput_dtype=torch.float32,
+                need_dweight=need_dd,
+                who=who,
+                name="down_weight",
             )
             if need_dh:
-                with gemm_role(GemmRole.GROUPED_DGRAD):
-                    dh32_TF = low_precision_grouped_matmul(
-                        dy_ops.pop(0),
-                        select_weight(down_weight, "row", who=who, name="down_weight"),
-                        group_list_E,
-                        layout="NT",
-                        output_dtype=torch.float32,
-                    )
-            if need_dd:
-                assert h_col is not None, "forward saves h's INPUT_BWD operand whenever down_weight needs a gradient"
-                with gemm_role(GemmRole.GROUPED_WGRAD):
-                    d_down_EFH = low_precision_grouped_matmul(
-                        h_col, dy_ops.pop(0), group_list_E, layout="TN", output_dtype=down_weight.dtype
-                    )
-                d_down = d_down_EFH.transpose(-2, -1).contiguous()
-            if need_dh:
                 assert gu_T2F is not None, "forward saves gate_up's output whenever a gradient flows through SwiGLU"
-                dgu32_T2F = swiglu_backward(gu_T2F, dh32_TF)
-                dgu_ops = list(
-                    quantize_for_gemms(
-                        recipe,
-                        dgu32_T2F,
-                        ([(_ROLE.GRAD_OUTPUT, "row")] if need_dx else [])
-                        + ([(_ROLE.GRAD_OUTPUT, "col")] if need_dgu else []),
-                        group_list=group_list_E,
-                    )
+                assert dh32_TF is not None
+                # gate_up: dx = dgu · Wguᵀ and dWgu = xᵀ · dgu, dgu quantized straight from FP32.
+                dx_TH, d_gate_up = _grouped_linear_backward(
+                    recipe,
+                    swiglu_backward(gu_T2F, dh32_TF),
+                    gate_up_weight,
+                    x_col,
+                    group_list_E,
+                    need_dinput=need_dx,
+                    dinput_dtype=ctx.x_dtype,
+                    need_dweight=need_dgu,
+                    who=who,
+                    name="gate_up_weight",
                 )
-                if need_dx:
-                    with gemm_role(GemmRole.GROUPED_DGRAD):
-                        dx_TH = low_precision_grouped_matmul(
-                            dgu_ops.pop(0),
-                            select_weight(gate_up_weight, "row", who=who, name="gate_up_weight"),
-                            group_list_E,
-                            layout="NT",
-                            output_dtype=ctx.x_dtype,
-                        )
-                if need_dgu:
-                    assert x_col is not None, "forward saves x's INPUT_BWD operand whenever gate_up_weight needs a gradient"
-                    with gemm_role(GemmRole.GROUPED_WGRAD):
-                        d_gate_up_EH2F = low_precision_grouped_matmul(
-                            x_col, dgu_ops.pop(0), group_list_E, layout="TN", output_dtype=gate_up_weight.dtype
-                        )
-                    d_gate_up = d_gate_up_EH2F.transpose(-2, -1).contiguous()
         return dx_TH, None, d_gate_up, d_down, None, None, None
 
 
