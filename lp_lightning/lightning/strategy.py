@@ -105,7 +105,52 @@ def _check_materialized(module: nn.Module) -> None:
         )
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class _FSDP2Common:
+    """What :class:`FSDP2Strategy` and :class:`FSDP2FabricStrategy` share (listed first in their bases).
+
+    The ``"lp_fsdp2"`` registry alias, the FSDP2 config check, the process-group backend by device
+    type and the 1-D ``("dp_shard",)`` mesh with the sampler arguments read from it.
+    """
+
+    strategy_name = "lp_fsdp2"
+
+    fsdp_config: FSDP2Config
+    parallelization: ParallelizationRecord | None
+    """What the last setup did (``None`` before setup)."""
+
+    def _init_fsdp2(self, fsdp_config: FSDP2Config | None) -> None:
+        if fsdp_config is not None and not isinstance(fsdp_config, FSDP2Config):
+            raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
+        self.fsdp_config = fsdp_config or FSDP2Config()
+        self.parallelization = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers the alias ``"lp_fsdp2"`` (default config) in a Lightning strategy registry."""
+        strategy_registry.register(
+            cls.strategy_name, cls, description="lp-lightning FSDP2 (1-D dp_shard mesh, HF-keyed DCP)"
+        )
+
+    def _build_dp_shard_mesh(self) -> DeviceMesh:
+        """The ``("dp_shard",)`` mesh over all ranks (after the process group exists).
+
+        Raises:
+            ValueError: ``fsdp_config.dp_shard_size`` differs from the world size.
+        """
+        dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)  # type: ignore[attr-defined]
+        self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)  # type: ignore[attr-defined]
+        return self._device_mesh
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or process_group_backend_for(self.root_device.type)  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        mesh = self.device_mesh  # type: ignore[attr-defined]
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+
+class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
     """Trainer strategy: FSDP2 over a 1-D data-parallel mesh, HF-keyed DCP checkpoints.
 
     Args:
@@ -113,8 +158,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
         timeout: Process-group timeout.
     """
-
-    strategy_name = "lp_fsdp2"
 
     def __init__(
         self,
@@ -129,18 +172,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if fsdp_config is not None and not isinstance(fsdp_config, FSDP2Config):
-            raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
-        self.fsdp_config = fsdp_config or FSDP2Config()
-        self.parallelization: ParallelizationRecord | None = None
-        """What the last :meth:`setup` did (``None`` before setup)."""
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers the alias ``"lp_fsdp2"`` (default config) in Lightning's Trainer registry."""
-        strategy_registry.register(
-            cls.strategy_name, cls, description="lp-lightning FSDP2 (1-D dp_shard mesh, HF-keyed DCP)"
-        )
+        self._init_fsdp2(fsdp_config)
 
     @property
     def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
@@ -157,19 +189,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         """
         self.low_precision_plugin  # noqa: B018 - fail before any process group exists
         self._setup_distributed()
-        dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)
-        self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or process_group_backend_for(self.root_device.type)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.device_mesh.size(), "rank": self.device_mesh.get_local_rank()}
+        self.lightning_module._device_mesh = self._build_dp_shard_mesh()
 
     def _causal_lm(self) -> nn.Module:
         assert self.lightning_module is not None
@@ -296,7 +317,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         return metadata
 
 
-class FSDP2FabricStrategy(FabricModelParallelStrategy):
+class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
     """Fabric twin of :class:`FSDP2Strategy`.
 
     Fabric runs the plugin's ``convert_module`` itself, before ``setup_module`` (the right order;
@@ -313,8 +334,6 @@ class FSDP2FabricStrategy(FabricModelParallelStrategy):
         timeout: Process-group timeout.
     """
 
-    strategy_name = "lp_fsdp2"
-
     def __init__(
         self,
         fsdp_config: FSDP2Config | None = None,
@@ -330,20 +349,10 @@ class FSDP2FabricStrategy(FabricModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if fsdp_config is not None and not isinstance(fsdp_config, FSDP2Config):
-            raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
+        self._init_fsdp2(fsdp_config)
         if activation_checkpoint not in ("off", "full"):
             raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
-        self.fsdp_config = fsdp_config or FSDP2Config()
         self.activation_checkpoint = activation_checkpoint
-        self.parallelization: ParallelizationRecord | None = None
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers the alias ``"lp_fsdp2"`` (default config) in Lightning's Fabric registry."""
-        strategy_registry.register(
-            cls.strategy_name, cls, description="lp-lightning FSDP2 (1-D dp_shard mesh, HF-keyed DCP)"
-        )
 
     @property
     def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
@@ -361,17 +370,7 @@ class FSDP2FabricStrategy(FabricModelParallelStrategy):
         )
         FabricParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)
-        self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)
-
-    @override
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or process_group_backend_for(self.root_device.type)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.device_mesh.size(), "rank": self.device_mesh.get_local_rank()}
+        self._build_dp_shard_mesh()
 
     def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         plugin = self.low_precision_plugin
