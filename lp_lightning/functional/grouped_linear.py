@@ -85,6 +85,47 @@ def swiglu_backward(
     return torch.cat([d_gate32, d_up32], dim=-1)
 
 
+def _grouped_linear_forward(
+    recipe: LowPrecisionRecipe,
+    a_TK: torch.Tensor,
+    weight: torch.Tensor,
+    group_list_E: torch.Tensor,
+    need_dweight: bool,
+    output_dtype: torch.dtype,
+    *,
+    who: str,
+    name: str,
+) -> tuple[torch.Tensor, QuantizedOperand | None]:
+    """fprop of one grouped linear ``y_g = a_g · W_g`` ("NN", INPUT_FWD row × WEIGHT_FWD col).
+
+    Args:
+        recipe: The quantization recipe.
+        a_TK: ``[T, K]`` input rows sorted by expert, any floating dtype.
+        weight: The low-precision weight, HF layout ``[E, N, K]``.
+        group_list_E: ``int64`` rows per expert ``[E]``.
+        need_dweight: Also quantize ``a`` as the col-grouped ``INPUT_BWD`` operand that the wgrad
+            GEMM needs (saved for backward).
+        output_dtype: dtype the FP32 accumulator is rounded to.
+        who: The caller, named in errors.
+        name: The weight's argument name, named in errors.
+
+    Returns:
+        ``(y_TN, a_col)``: the output and the ``INPUT_BWD`` operand (``None`` unless
+        ``need_dweight``).
+    """
+    requests = [(_ROLE.INPUT_FWD, "row")] + ([(_ROLE.INPUT_BWD, "col")] if need_dweight else [])
+    a_ops = quantize_for_gemms(recipe, a_TK, requests, group_list=group_list_E)
+    with gemm_role(GemmRole.GROUPED_FPROP):
+        y_TN = low_precision_grouped_matmul(
+            a_ops[0],
+            select_weight(weight, "col", who=who, name=name),
+            group_list_E,
+            layout="NN",
+            output_dtype=output_dtype,
+        )
+    return y_TN, (a_ops[1] if need_dweight else None)
+
+
 def _grouped_linear_backward(
     recipe: LowPrecisionRecipe,
     dy_TN: torch.Tensor,
@@ -166,47 +207,25 @@ class _GroupedSwiGLUFunction(torch.autograd.Function):
         who = "low_precision_grouped_swiglu"
         need_dx, _, need_dgu, need_dd = (grad_enabled and n for n in ctx.needs_input_grad[:4])
         with autocast_disabled(x_TH):
-            x_ops = quantize_for_gemms(
-                recipe,
-                x_TH,
-                [(_ROLE.INPUT_FWD, "row")] + ([(_ROLE.INPUT_BWD, "col")] if need_dgu else []),
-                group_list=group_list_E,
+            gu_T2F, x_col = _grouped_linear_forward(
+                recipe, x_TH, gate_up_weight, group_list_E, need_dgu, output_dtype, who=who, name="gate_up_weight"
             )
-            with gemm_role(GemmRole.GROUPED_FPROP):
-                gu_T2F = low_precision_grouped_matmul(
-                    x_ops[0],
-                    select_weight(gate_up_weight, "col", who=who, name="gate_up_weight"),
-                    group_list_E,
-                    layout="NN",
-                    output_dtype=output_dtype,
-                )
             gate32, up32 = gu_T2F.to(torch.float32).chunk(2, dim=-1)
             h32_TF = F.silu(gate32) * up32
-            h_ops = quantize_for_gemms(
-                recipe,
-                h32_TF,
-                [(_ROLE.INPUT_FWD, "row")] + ([(_ROLE.INPUT_BWD, "col")] if need_dd else []),
-                group_list=group_list_E,
+            y_TH, h_col = _grouped_linear_forward(
+                recipe, h32_TF, down_weight, group_list_E, need_dd, output_dtype, who=who, name="down_weight"
             )
-            with gemm_role(GemmRole.GROUPED_FPROP):
-                y_TH = low_precision_grouped_matmul(
-                    h_ops[0],
-                    select_weight(down_weight, "col", who=who, name="down_weight"),
-                    group_list_E,
-                    layout="NN",
-                    output_dtype=output_dtype,
-                )
 
         saved: list[torch.Tensor] = [group_list_E, gate_up_weight, down_weight]
         ctx.x_meta = ctx.h_meta = None
         ctx.saved_gu = need_dx or need_dgu
         if ctx.saved_gu:
             saved.append(gu_T2F)
-        if need_dgu:
-            tensors, ctx.x_meta = pack_operand(x_ops[1])
+        if x_col is not None:
+            tensors, ctx.x_meta = pack_operand(x_col)
             saved += tensors
-        if need_dd:
-            tensors, ctx.h_meta = pack_operand(h_ops[1])
+        if h_col is not None:
+            tensors, ctx.h_meta = pack_operand(h_col)
             saved += tensors
         ctx.save_for_backward(*saved)
         ctx.recipe = recipe
