@@ -41,7 +41,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 import torch
 
@@ -61,6 +61,29 @@ MX_BLOCK_SIZE: int = 32
 
 _ORIENTATIONS: tuple[str, ...] = get_args(Orientation)
 
+_E = TypeVar("_E", bound=Enum)
+
+
+def parse_enum(enum_cls: type[_E], value: _E | str, *, argument: str, what: str) -> _E:
+    """``value`` as a member of ``enum_cls`` (the member itself, or its string value).
+
+    Args:
+        enum_cls: A ``str``-valued Enum.
+        value: A member or its value.
+        argument: The argument's name, used in the error (e.g. ``"format"``).
+        what: What the members are, used in the error (e.g. ``"a low-precision format"``).
+
+    Raises:
+        ValueError: ``value`` is not a member's value; the message names the legal values.
+    """
+    if isinstance(value, enum_cls):
+        return value
+    try:
+        return enum_cls(value)
+    except ValueError:
+        legal = ", ".join(repr(member.value) for member in enum_cls)
+        raise ValueError(f"{argument}={value!r} is not {what}; legal values: {legal}.") from None
+
 
 class LowPrecisionFormat(str, Enum):
     """The element formats of recipe v1 (seed §3, §13.1)."""
@@ -77,13 +100,7 @@ class LowPrecisionFormat(str, Enum):
         Raises:
             ValueError: if ``value`` is not a legal format.
         """
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            legal = ", ".join(repr(f.value) for f in cls)
-            raise ValueError(f"format={value!r} is not a low-precision format; legal values: {legal}.") from None
+        return parse_enum(cls, value, argument="format", what="a low-precision format")
 
 
 class QuantizationRole(str, Enum):
@@ -108,13 +125,7 @@ class QuantizationRole(str, Enum):
         Raises:
             ValueError: naming the legal roles.
         """
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            legal = ", ".join(repr(r.value) for r in cls)
-            raise ValueError(f"role={value!r} is not a quantization role; legal values: {legal}.") from None
+        return parse_enum(cls, value, argument="role", what="a quantization role")
 
 
 _DATA_DTYPE = {LowPrecisionFormat.MXFP8_E4M3: torch.float8_e4m3fn, LowPrecisionFormat.HIF8: torch.uint8}

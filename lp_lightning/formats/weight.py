@@ -107,6 +107,7 @@ from lp_lightning.formats.operand import (
     Orientation,
     QuantizationRole,
     QuantizedOperand,
+    parse_enum,
 )
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
 
@@ -159,12 +160,7 @@ class WeightKind(str, Enum):
         Raises:
             ValueError: naming the legal values.
         """
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"kind={value!r} is not a weight kind; legal values: 'dense', 'grouped'.") from None
+        return parse_enum(cls, value, argument="kind", what="a weight kind")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
