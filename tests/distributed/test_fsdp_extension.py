@@ -26,8 +26,7 @@ from lp_lightning.distributed.fsdp_extension import (
     set_gather_policy,
 )
 from lp_lightning.distributed.refresh import RefreshRecorder, refresh_low_precision_weights
-from lp_lightning.formats import QuantizationRole, hif8, recipe_for
-from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+from lp_lightning.formats import QuantizationRole, hif8, recipe_for, set_compiled_kernels
 from lp_lightning.formats.weight import (
     GatheredWeightTensor,
     GatherMetadata,
@@ -39,14 +38,6 @@ from lp_lightning.formats.weight import (
     shard_rows,
 )
 
-@pytest.fixture(autouse=True)
-def _eager_codecs():
-    """These tests check weight plumbing, not fused codecs: use the eager reference kernels
-    (bit-identical by lp_lightning.formats._compile's contract) and skip torch.compile warm-up."""
-    previous = compiled_kernels_enabled()
-    set_compiled_kernels(False)
-    yield
-    set_compiled_kernels(previous)
 
 
 SINGLE = GatherPolicy()

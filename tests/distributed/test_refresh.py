@@ -22,18 +22,10 @@ from lp_lightning.distributed.refresh import (
     refresh_low_precision_weights,
     shard_group,
 )
-from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+from lp_lightning.formats import set_compiled_kernels
 from lp_lightning.formats.weight import QuantizedWeightTensor, finalize_low_precision_weights, total_refresh_count
 
 
-@pytest.fixture(autouse=True)
-def _eager_codecs():
-    """These tests check weight plumbing, not fused codecs: use the eager reference kernels
-    (bit-identical by lp_lightning.formats._compile's contract) and skip torch.compile warm-up."""
-    previous = compiled_kernels_enabled()
-    set_compiled_kernels(False)
-    yield
-    set_compiled_kernels(previous)
 
 
 class _Dense(nn.Module):

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from lp_lightning.formats import QuantizationRole, recipe_for
-from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 from lp_lightning.formats.weight import (
     GatheredWeightTensor,
     GatherPolicy,
@@ -33,14 +32,6 @@ from lp_lightning.formats.weight import (
     total_refresh_count,
 )
 
-@pytest.fixture(autouse=True)
-def _eager_codecs():
-    """These tests check weight plumbing, not fused codecs: use the eager reference kernels
-    (bit-identical by lp_lightning.formats._compile's contract) and skip torch.compile warm-up."""
-    previous = compiled_kernels_enabled()
-    set_compiled_kernels(False)
-    yield
-    set_compiled_kernels(previous)
 
 
 FORMATS = ("mxfp8_e4m3", "hif8")

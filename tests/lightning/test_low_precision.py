@@ -29,14 +29,6 @@ pytestmark = pytest.mark.slow
 LOW_PRECISION_WEIGHTS = 21 + 2 * 2
 
 
-@pytest.fixture(autouse=True)
-def _eager_codecs():
-    """In-process runs use the eager codec kernels (bit-identical to the fused ones by the
-    ``lp_lightning.formats._compile`` contract) to skip torch.compile warm-up on a 2-core CI box."""
-    previous = compiled_kernels_enabled()
-    set_compiled_kernels(False)
-    yield
-    set_compiled_kernels(previous)
 
 
 def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, token_cache_dir, isolated_dist,
