@@ -29,6 +29,13 @@ so the checkpoint holds no tensor subclass and no derived data/scale, loads with
 group) and into a run of any precision. Loading copies into the master in place; the strategies then
 rebuild the 8-bit storage from it once (``LowPrecisionFabricPlugin.rebuild_after_load``, seed §11).
 
+Writing is atomic per folder: every rank writes into a hidden sibling ``.<name>.partial/``, rank 0
+adds ``meta.pt`` last and renames the folder into place, so a run killed while saving leaves the
+previous checkpoints untouched and no folder that looks complete but is not. Loading first checks
+the folder (``meta.pt`` readable, every shard file present and long enough, every model key
+present with the model's shape) and only then copies anything into the model, so a damaged
+checkpoint fails with a message naming the file or FQN and leaves the model as it was.
+
 Both views come from ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
 ``get_optimizer_state_dict`` on the *HF module* (not on a wrapper such as the LightningModule,
 which would prefix every key with its attribute name), and are restored with the matching
@@ -37,11 +44,13 @@ which would prefix every key with its attribute name), and are restored with the
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -61,6 +70,7 @@ __all__ = [
     "model_state_dict",
     "optimizer_state_dict",
     "save_dcp_checkpoint",
+    "verify_dcp_checkpoint",
 ]
 
 METADATA_FILENAME = "meta.pt"
@@ -138,13 +148,38 @@ def save_dcp_checkpoint(
     if path.is_file():
         raise FileExistsError(f"checkpoint path {str(path)!r} is a file; DCP checkpoints are folders.")
     _check_key_collisions(model_state, list(optimizer_states))
-    path.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.partial"
+    if rank == 0:
+        if staging.exists():  # left by a run killed while saving
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    _barrier()
     state: dict[str, Any] = dict(model_state)
     state.update(optimizer_states)
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, checkpoint_id=staging)
     if rank == 0:
-        torch.save(dict(metadata), path / METADATA_FILENAME)
+        torch.save(dict(metadata), staging / METADATA_FILENAME)
+        _move_into_place(staging, path)
+    _barrier()
     return path
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _move_into_place(staging: Path, path: Path) -> None:
+    """Renames the finished ``staging`` folder to ``path`` (replacing an older folder there)."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        path.rename(old)
+        staging.rename(path)
+        shutil.rmtree(old)
+    else:
+        staging.rename(path)
 
 
 def load_dcp_checkpoint(
@@ -172,6 +207,58 @@ def load_dcp_checkpoint(
 
     Raises:
         FileNotFoundError: ``path`` is not a DCP checkpoint folder.
+        ValueError: The folder is incomplete or damaged, or does not fit ``model`` (see
+            :func:`verify_dcp_checkpoint`); nothing has been loaded.
+    """
+    path = Path(path)
+    model_sd = model_state_dict(model)
+    metadata = verify_dcp_checkpoint(
+        path,
+        model_state=model_sd,
+        optimizer_keys=list(optimizers),
+        strict=strict,
+        weights_only=weights_only,
+    )
+    dcp.load(model_sd, checkpoint_id=path)
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+    for key, optimizer in optimizers.items():
+        optim_sd = {key: optimizer_state_dict(model, optimizer)}
+        dcp.load(optim_sd, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd[key], options=_SHARDED)
+    return metadata
+
+
+def verify_dcp_checkpoint(
+    path: str | Path,
+    *,
+    model_state: Mapping[str, Any] | None = None,
+    optimizer_keys: list[str] | tuple[str, ...] = (),
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Checks a checkpoint folder before anything is loaded from it; returns its ``meta.pt``.
+
+    Reads ``meta.pt`` and ``.metadata`` and stats the shard files; reads no tensor data and
+    needs no process group.
+
+    Args:
+        path: A folder written by :func:`save_dcp_checkpoint`.
+        model_state: The model view that will be loaded (``{fqn: tensor or DTensor}``); when
+            given, every key must be in the checkpoint (only when ``strict``) with the same
+            global shape.
+        optimizer_keys: Optimizer view keys that must be present (``"optimizer"`` for the Trainer).
+        strict: Require every key of ``model_state``.
+        weights_only: Forwarded to ``torch.load`` for ``meta.pt``.
+
+    Returns:
+        The metadata dict saved in ``meta.pt``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a folder with a DCP ``.metadata`` file.
+        ValueError: ``meta.pt`` or ``.metadata`` is missing or unreadable, a shard file is
+            missing or shorter than the metadata says (a save that was cut short), a model key is
+            missing or has another shape, or an optimizer view is absent. The message names the
+            file or FQN, what was expected and found, and the fix.
     """
     path = Path(path)
     if not is_dcp_checkpoint(path):
@@ -179,14 +266,57 @@ def load_dcp_checkpoint(
             f"{str(path)!r} is not a DCP checkpoint folder (no .metadata file); pass a folder such "
             f"as <default_root_dir>/checkpoints/step-000050."
         )
-    model_sd = model_state_dict(model)
-    dcp.load(model_sd, checkpoint_id=path)
-    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
-    for key, optimizer in optimizers.items():
-        optim_sd = {key: optimizer_state_dict(model, optimizer)}
-        dcp.load(optim_sd, checkpoint_id=path)
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd[key], options=_SHARDED)
-    return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
+    fix = "resume from another checkpoint folder (an earlier step-NNNNNN) or start without --ckpt_path"
+    meta_file = path / METADATA_FILENAME
+    if not meta_file.is_file():
+        raise ValueError(f"checkpoint {str(path)!r} has no {METADATA_FILENAME} (the loop and data state); {fix}.")
+    try:
+        metadata = torch.load(meta_file, weights_only=weights_only)
+        dcp_metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # any unpickling / format error: name the folder, keep the cause
+        raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); {fix}.") from exc
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{str(meta_file)!r} holds a {type(metadata).__name__}, expected a dict; {fix}.")
+    needed: dict[str, int] = {}
+    for info in dcp_metadata.storage_data.values():
+        relative_path = getattr(info, "relative_path", None)
+        if relative_path is not None:
+            end = int(info.offset) + int(info.length)
+            needed[relative_path] = max(needed.get(relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        size = shard.stat().st_size if shard.is_file() else None
+        if size is None or size < end:
+            found = "missing" if size is None else f"{size} bytes"
+            raise ValueError(
+                f"checkpoint {str(path)!r} is incomplete: shard file {name!r} should hold at least "
+                f"{end} bytes, found {found} (a save cut short, or a copy that lost files); {fix}."
+            )
+    saved = dcp_metadata.state_dict_metadata
+    for fqn, tensor in (model_state or {}).items():
+        entry = saved.get(fqn)
+        if entry is None:
+            if strict:
+                raise ValueError(
+                    f"checkpoint {str(path)!r} has no tensor {fqn!r} that the model expects (shape "
+                    f"{tuple(tensor.shape)}); it was written for another model. Build the model of "
+                    f"that run, or load non-strictly (LightningModule.strict_loading = False)."
+                )
+            continue
+        saved_shape = tuple(getattr(entry, "size", ()))
+        if hasattr(entry, "size") and saved_shape != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {str(path)!r} holds {fqn!r} with shape {saved_shape}, the model has "
+                f"{tuple(tensor.shape)}; it was written for another model config. Build the model "
+                f"of that run (the same --model.config_name_or_path and --model.config_overrides)."
+            )
+    for key in optimizer_keys:
+        if not any(k.startswith(key + ".") for k in saved):
+            raise ValueError(
+                f"checkpoint {str(path)!r} has no optimizer view {key!r} (it holds model weights "
+                f"only); load the weights without an optimizer, or resume from a training checkpoint."
+            )
+    return metadata
 
 
 def checkpoint_tensor_keys(path: str | Path) -> dict[str, Any]:

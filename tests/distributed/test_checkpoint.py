@@ -90,3 +90,94 @@ def test_errors(tmp_path, single_rank_group):
     (tmp_path / "file").write_text("")
     with pytest.raises(FileExistsError, match="is a file"):
         save_dcp_checkpoint(tmp_path / "file", model_state={}, optimizer_states={}, metadata={}, rank=0)
+
+
+def _save(model, optimizer, path, step):
+    return save_dcp_checkpoint(
+        path,
+        model_state=model_state_dict(model),
+        optimizer_states={"optimizer": optimizer_state_dict(model, optimizer)},
+        metadata={"global_step": step},
+        rank=0,
+    )
+
+
+def _masters(model) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+
+
+def test_save_is_atomic_and_overwrites_in_place(tmp_path, single_rank_group, monkeypatch):
+    import lp_lightning.distributed.checkpoint as ckpt
+
+    model, optimizer = _sharded_tiny(seed=0)
+    first = _save(model, optimizer, tmp_path / "step-000001", 1)
+    # A save killed after the shards, before the rename: no step-000002 appears, step-000001 stays.
+    def killed(staging, path):
+        raise KeyboardInterrupt("killed while saving")
+
+    monkeypatch.setattr(ckpt, "_move_into_place", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _save(model, optimizer, tmp_path / "step-000002", 2)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-000002.partial", "step-000001"]
+    assert load_dcp_checkpoint(first, model=model, optimizers={"optimizer": optimizer}) == {"global_step": 1}
+    # The next save of that step replaces the leftover; saving over an existing folder replaces it.
+    _save(model, optimizer, tmp_path / "step-000002", 2)
+    _save(model, optimizer, tmp_path / "step-000002", 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+    assert torch.load(tmp_path / "step-000002" / METADATA_FILENAME) == {"global_step": 3}
+
+
+def test_damaged_checkpoints_fail_before_anything_is_loaded(tmp_path, single_rank_group):
+    import shutil
+
+    source, source_opt = _sharded_tiny(seed=0)
+    good = _save(source, source_opt, tmp_path / "good", 1)
+    model, optimizer = _sharded_tiny(seed=1)
+    before = _masters(model)
+
+    def damaged(name: str):
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        return path
+
+    no_meta = damaged("no_meta")
+    (no_meta / METADATA_FILENAME).unlink()
+    truncated = damaged("truncated")
+    shard = truncated / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    missing_shard = damaged("missing_shard")
+    (missing_shard / "__0_0.distcp").unlink()
+    garbage_meta = damaged("garbage_meta")
+    (garbage_meta / METADATA_FILENAME).write_bytes(b"not a pickle")
+    cases = [
+        (no_meta, "has no meta.pt"),
+        (truncated, r"shard file '__0_0.distcp' should hold at least \d+ bytes, found \d+ bytes"),
+        (missing_shard, r"shard file '__0_0.distcp' should hold at least \d+ bytes, found missing"),
+        (garbage_meta, "cannot be read"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            load_dcp_checkpoint(path, model=model, optimizers={"optimizer": optimizer})
+        assert "resume from another checkpoint folder" in str(info.value)
+    # A model-only checkpoint asked for its optimizer view.
+    weights_only = save_dcp_checkpoint(
+        tmp_path / "weights", model_state=model_state_dict(source), optimizer_states={}, metadata={}, rank=0
+    )
+    with pytest.raises(ValueError, match="has no optimizer view 'optimizer'"):
+        load_dcp_checkpoint(weights_only, model=model, optimizers={"optimizer": optimizer})
+    after = _masters(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was half-applied
+    assert load_dcp_checkpoint(good, model=model, optimizers={"optimizer": optimizer}) == {"global_step": 1}
+
+
+def test_checkpoint_of_another_model_names_the_fqn_and_shapes(tmp_path, single_rank_group):
+    from torch import nn
+
+    model, optimizer = _sharded_tiny(seed=0)
+    path = _save(model, optimizer, tmp_path / "step-000001", 1)
+    other, other_opt = _sharded_tiny(seed=0)
+    # Same names, one shape changed (as a different hidden size or vocab would): fail naming it.
+    other.lm_head.weight = nn.Parameter(torch.zeros(7, 3))
+    with pytest.raises(ValueError, match=r"holds 'lm_head.weight' with shape \(512, 256\), the model has \(7, 3\)"):
+        load_dcp_checkpoint(path, model=other, optimizers={})
