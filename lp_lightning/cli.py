@@ -34,10 +34,12 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml
 
 Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder).
+A run stopped by SIGTERM (preemption) exits with status 143 and can be resumed that way.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -47,6 +49,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lp_lightning.config import FSDP2Config
@@ -205,14 +208,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
 
     Returns:
-        Exit status (0 on success; argument errors exit with status 2 through ``SystemExit``).
+        Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM stopped training early (a
+        scheduler's preemption), so a job script can tell it from a finished run; argument errors
+        exit with status 2 through ``SystemExit``.
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "validate-model":
         from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
 
         return validate_model_main(args[1:])
-    LPLightningCLI(args=None if argv is None else args)
+    try:
+        LPLightningCLI(args=None if argv is None else args)
+    except SIGTERMException:
+        # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
+        print(
+            "lp-lightning: training stopped early by SIGTERM. Resume from the last checkpoint "
+            "folder with `lp-lightning fit ... --ckpt_path <default_root_dir>/checkpoints/step-NNNNNN`.",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     return 0
 
 

@@ -171,3 +171,34 @@ def test_run_summary_contract(runs):
     assert set(summary["versions"]) == {"torch", "lightning", "transformers", "lp_lightning", "python"}
     assert all(Path(p).is_dir() for p in summary["checkpoints"])
     assert (Path(summary["root"]) / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_sigterm_exits_143_and_leaves_only_complete_checkpoints(tmp_path, token_cache_dir):
+    """A preempted run (SIGTERM) exits with 128 + 15 and a resume hint; its checkpoints load."""
+    import signal
+    import time
+
+    from lp_lightning.distributed.checkpoint import verify_dcp_checkpoint
+
+    root = tmp_path / "sigterm"
+    args = [
+        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
+        "--trainer.default_root_dir", str(root), "--data.cache_dir", token_cache_dir,
+        "--data.seq_len", "64", "--data.global_batch_size", "4", "--data.val_batches", "1",
+        "--trainer.max_steps", "1000", "--checkpoint.every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoints = root / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints / "step-000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped early by SIGTERM" in stderr and "--ckpt_path" in stderr
+    folders = sorted(p.name for p in checkpoints.iterdir())
+    assert folders and all(name.startswith("step-") for name in folders), folders  # no .partial left visible
+    for name in folders:
+        assert verify_dcp_checkpoint(checkpoints / name, weights_only=False)["global_step"] == int(name[5:])
