@@ -121,7 +121,7 @@ class LPLightningCLI(LightningCLI):
             "--low_precision",
             type=Optional[LowPrecisionConfig],
             default=None,
-            help="Seed §4.2 low_precision section (enabled/format/scaling); must agree with --precision.",
+            help="The design spec §4.2 low_precision section (enabled/format/scaling); must agree with --precision.",
         )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")

@@ -98,7 +98,7 @@ class FSDP2Config:
                 )
         if self.comm_fusion:
             raise ValueError(
-                "fsdp_config.comm_fusion=true is not supported (seed §15: FSDP communication "
+                "fsdp_config.comm_fusion=true is not supported (design spec §15: FSDP communication "
                 "fusion fails at startup); set `comm_fusion: false`."
             )
         for key in _UNSUPPORTED_PARALLEL_DEGREES:
@@ -108,7 +108,7 @@ class FSDP2Config:
             if value != 1:
                 raise ValueError(
                     f"fsdp_config.{key}={value} is not supported: only FSDP2 data-parallel "
-                    f"sharding runs (seed §15: TP/CP/EP/PP must all be 1); set `{key}: 1`."
+                    f"sharding runs (design spec §15: TP/CP/EP/PP must all be 1); set `{key}: 1`."
                 )
 
     def resolve_dp_shard_size(self, world_size: int) -> int:

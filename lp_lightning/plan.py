@@ -119,7 +119,7 @@ are checked too (see ``_denied_type_reason``), so a renamed norm or router is ca
 """
 
 _BOUNDARY_HINT = (
-    "seed §1.1 keeps embedding, LM head, MoE router, normalization, rotary embedding and core "
+    "design spec §1.1 keeps embedding, LM head, MoE router, normalization, rotary embedding and core "
     "attention in high precision"
 )
 _DOTTED_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
@@ -231,7 +231,7 @@ class ReplacementRule:
                 raise ValueError(
                     f"rule {rule!r}: `replace_module` must be {{'_target_': 'dotted.path'}} only, got keys "
                     f"{sorted(factory)}; a factory takes no extra arguments, it is called as "
-                    "factory(source, *, fqn=..., policy=...) (seed §13.2)."
+                    "factory(source, *, fqn=..., policy=...) (design spec §13.2)."
                 )
             factory = factory["_target_"]
         if isinstance(factory, str):
@@ -276,7 +276,7 @@ class ReplacementRule:
         if unknown:
             raise ValueError(
                 f"{default_name}: unknown rule key(s) {unknown}; known keys are {sorted(known)}. "
-                "Rules carry no format/scaling: that is the low_precision section (seed §4.3)."
+                "Rules carry no format/scaling: that is the low_precision section (design spec §4.3)."
             )
         missing = [key for key in ("match", "module_type", "replace_module") if key not in spec]
         if missing:
@@ -743,7 +743,7 @@ def _check_type(group: _AliasGroup, rule: ReplacementRule, required: type) -> No
         detail = f" It wraps {_type_name(required)} at {wrapped[:3]} (a PEFT/LoRA or custom wrapper)."
     raise TypeError(
         f"rule {rule.name!r}: module {fqn!r} is {_type_name(type(module))}, but the rule requires "
-        f"{relation}.{detail} Subclassed and wrapped modules are not replaced (seed §15); fix the "
+        f"{relation}.{detail} Subclassed and wrapped modules are not replaced (design spec §15); fix the "
         "rule's `match` globs, add an `exclude` glob, or remove the wrapper."
     )
 
@@ -751,7 +751,7 @@ def _check_type(group: _AliasGroup, rule: ReplacementRule, required: type) -> No
 def _zero_hit_error(rule: ReplacementRule, globs: list[str], fqns: Sequence[str]) -> ValueError:
     lines = [
         f"rule {rule.name!r} ({rule.module_type_name} -> {rule.factory_name}) is enabled but "
-        f"{len(globs)} of its `match` globs match no module FQN (seed §4.3: zero hits are an error):"
+        f"{len(globs)} of its `match` globs match no module FQN (design spec §4.3: zero hits are an error):"
     ]
     for glob in globs[:10]:
         nearest = difflib.get_close_matches(glob, fqns, n=_MAX_CANDIDATES, cutoff=0.0)
@@ -862,7 +862,7 @@ def compile_plan(
                     f"module {group.fqns[0]!r} (FQNs {group.fqns}) is selected by two rules: "
                     f"{previous.rule.name!r} ({previous.rule.factory_name}, via {list(previous.matched_globs)}) "
                     f"and {rule.name!r} ({rule.factory_name}, via {hits[module_id]}); one module takes one "
-                    "factory (seed §4.3). Narrow one rule's globs or add an `exclude` glob."
+                    "factory (design spec §4.3). Narrow one rule's globs or add an `exclude` glob."
                 )
             selected[module_id] = PlannedReplacement(
                 fqns=tuple(group.fqns),
@@ -874,7 +874,7 @@ def compile_plan(
         if num_selected == 0:
             raise ValueError(
                 f"rule {rule.name!r} is enabled but selects no module: every module its globs match is "
-                f"excluded by {list(rule.exclude)} (seed §4.3: zero hits are an error). Remove the rule "
+                f"excluded by {list(rule.exclude)} (design spec §4.3: zero hits are an error). Remove the rule "
                 "or narrow `exclude`."
             )
 
@@ -970,7 +970,7 @@ class _ModuleSchema:
                 if a.obj is not b.obj:
                     problems.append(
                         f"{kind} {name!r} is a different object (the factory must reuse the source "
-                        f"{kind}, no copy or re-initialisation: seed §5.1)"
+                        f"{kind}, no copy or re-initialisation: design spec §5.1)"
                     )
                 for attr in ("shape", "dtype", "device", "requires_grad"):
                     if getattr(a, attr) != getattr(b, attr):
@@ -1006,7 +1006,7 @@ def _check_factory_signature(factory: Callable[..., Any], rule: ReplacementRule)
     except TypeError as exc:
         raise TypeError(
             f"rule {rule.name!r}: factory {rule.factory_name} must accept (source, *, fqn, policy) "
-            f"(seed §13.2); its signature is {signature}: {exc}."
+            f"(design spec §13.2); its signature is {signature}: {exc}."
         ) from None
 
 
@@ -1167,7 +1167,7 @@ class ModuleReplacementPlan:
                     problems.append(f"forward signature changed: {signature} -> {new_signature}")
                 if problems:
                     raise ValueError(
-                        f"{where}: the replacement breaks the factory contract (seed §5, §13.2):\n  - "
+                        f"{where}: the replacement breaks the factory contract (design spec §5, §13.2):\n  - "
                         + "\n  - ".join(problems)
                     )
                 replacements.append(new)
@@ -1190,7 +1190,7 @@ class ModuleReplacementPlan:
             problems = model_before.differences(_ModuleSchema.capture(model))
             if problems:
                 raise ValueError(
-                    "plan.apply: the installed replacements changed the model's schema (seed §5):\n  - "
+                    "plan.apply: the installed replacements changed the model's schema (design spec §5):\n  - "
                     + "\n  - ".join(problems[:20])
                 )
         except BaseException:

@@ -122,7 +122,7 @@ def _validate(
         raise ValueError(
             f"{owner}: unsupported low-precision pair {pair_text}; known formats are "
             f"{[f.value for f in LowPrecisionFormat]}, known scalings {[s.value for s in ScalingAlgorithm]}, "
-            f"and the legal pairs are {_legal_pairs_text()} (seed §4.2)."
+            f"and the legal pairs are {_legal_pairs_text()} (design spec §4.2)."
         ) from None
     recipe = LEGAL_PAIRS.get((fmt, scl))
     if recipe is None:
@@ -132,7 +132,7 @@ def _validate(
         }[fmt]
         raise ValueError(
             f"{owner}: illegal low-precision pair {fmt.value}+{scl.value}; the legal pairs are "
-            f"{_legal_pairs_text()} (seed §4.2). For format: {fmt.value} set `{fix}`."
+            f"{_legal_pairs_text()} (design spec §4.2). For format: {fmt.value} set `{fix}`."
         )
     return fmt, scl, recipe
 
@@ -218,7 +218,7 @@ class LowPrecisionConfig:
         if unknown:
             raise ValueError(
                 f"low_precision: unknown key(s) {unknown}; the section only has enabled, format and "
-                "scaling (seed §4.2: no safety margin or other tuning knobs)."
+                "scaling (design spec §4.2: no safety margin or other tuning knobs)."
             )
         return cls(**section)
 

@@ -21,7 +21,7 @@ def test_defaults_and_seed_node_values():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"comm_fusion": True}, ValueError, r"fsdp_config.comm_fusion=true is not supported \(seed §15"),
+        ({"comm_fusion": True}, ValueError, r"fsdp_config.comm_fusion=true is not supported \(design spec §15"),
         ({"tensor_parallel_size": 2}, ValueError, r"fsdp_config.tensor_parallel_size=2 is not supported"),
         ({"context_parallel_size": 4}, ValueError, r"fsdp_config.context_parallel_size=4"),
         ({"expert_parallel_size": 8}, ValueError, r"fsdp_config.expert_parallel_size=8"),

@@ -397,7 +397,7 @@ def test_wrapper_module_fails_naming_the_wrapped_linear():
     ],
 )
 def test_never_replaced_modules_are_refused(match, module_type, reason):
-    with pytest.raises(ValueError, match=rf"selects '{match}'.*{reason}.*seed §1\.1"):
+    with pytest.raises(ValueError, match=rf"selects '{match}'.*{reason}.*design spec §1\.1"):
         compile_plan(_Toy(), [_rule("bad", match=match, module_type=module_type)], MXFP8)
 
 

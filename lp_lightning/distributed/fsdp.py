@@ -190,7 +190,7 @@ def upcast_parameters_to_fp32(module: nn.Module) -> int:
         if isinstance(param, DTensor):
             raise TypeError(
                 f"parameter {name!r} is already a DTensor: upcast to FP32 must run before "
-                f"fully_shard (seed §12.1)."
+                f"fully_shard (design spec §12.1)."
             )
         if param.is_floating_point() and param.dtype != torch.float32:
             param.data = param.data.to(torch.float32)
@@ -223,7 +223,7 @@ def apply_activation_checkpointing(causal_lm: nn.Module, mode: ActivationCheckpo
 
     if mode not in ("off", "full"):
         raise ValueError(
-            f"activation_checkpoint must be 'off' or 'full' (seed §15), got {mode!r}."
+            f"activation_checkpoint must be 'off' or 'full' (design spec §15), got {mode!r}."
         )
     if mode == "off":
         return 0

@@ -192,7 +192,7 @@ def plan_low_precision_sharding(
     if replicated and not fallback_to_unsharded:
         lines = "\n  ".join(w.reason for w in replicated)
         raise ValueError(
-            f"{len(replicated)} low-precision weight(s) cannot be sharded over {world_size} ranks (seed §9.1):\n  "
+            f"{len(replicated)} low-precision weight(s) cannot be sharded over {world_size} ranks (design spec §9.1):\n  "
             f"{lines}\nSet fsdp_config.fallback_to_unsharded=true to keep them replicated (their GEMMs stay low "
             "precision), or choose a world size that satisfies the rule."
         )

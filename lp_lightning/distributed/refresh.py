@@ -94,7 +94,7 @@ def shard_group(param: torch.Tensor) -> dist.ProcessGroup | None:
     if len(shard_dims) > 1:
         raise ValueError(
             f"a low-precision weight is sharded over mesh dims {shard_dims} ({param.placements}); only one "
-            "FSDP shard dimension is supported (TP/CP/EP/PP must be 1, seed §15)."
+            "FSDP shard dimension is supported (TP/CP/EP/PP must be 1, design spec §15)."
         )
     if not shard_dims or param.device_mesh.size(shard_dims[0]) == 1:
         return None
@@ -170,7 +170,7 @@ def refresh_low_precision_weights(
                 raise ValueError(
                     f"refresh_low_precision_weights: master_params[{i}] (shape {tuple(master.shape)}, dtype "
                     f"{master.dtype}) is not the master of {local.fqn!r}; the low-precision storage is only "
-                    "rebuilt from the FP32 master the optimizer updated (seed §10)."
+                    "rebuilt from the FP32 master the optimizer updated (design spec §10)."
                 )
         entries.append((param, local))
 

@@ -637,7 +637,7 @@ def _hif8_weight_format_max(recipe: LowPrecisionRecipe) -> float:
     fmax_fwd, fmax_bwd = getattr(q_fwd, "format_max", None), getattr(q_bwd, "format_max", None)
     if fmax_fwd != fmax_bwd or fmax_fwd is None:
         raise ValueError(
-            f"recipe {recipe.name!r}: the HiF8 weight keeps one data copy for fprop and dgrad (seed §7.3), so "
+            f"recipe {recipe.name!r}: the HiF8 weight keeps one data copy for fprop and dgrad (design spec §7.3), so "
             f"WEIGHT_FWD and WEIGHT_BWD must share format_max; got {fmax_fwd} and {fmax_bwd}."
         )
     return float(fmax_fwd)
@@ -818,7 +818,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
             raise ValueError(
                 f"refresh_from_master({self.fqn!r}): master_shard (shape {tuple(master_shard.shape)}, dtype "
                 f"{master_shard.dtype}) is not this weight's master; the storage is only rebuilt from the "
-                "authoritative FP32 master (seed §10), never from a copy or a dequantised weight."
+                "authoritative FP32 master (design spec §10), never from a copy or a dequantised weight."
             )
         if amax is not None and (self.format is not LowPrecisionFormat.HIF8 or self.kind is not WeightKind.DENSE):
             raise ValueError(
@@ -883,7 +883,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         if not self.is_built:
             raise ValueError(
                 f"fsdp_pre_all_gather({self.fqn!r}): the low-precision shard was never built; call "
-                "refresh_low_precision_weights(model.parameters()) after fully_shard (seed §10)."
+                "refresh_low_precision_weights(model.parameters()) after fully_shard (design spec §10)."
             )
         if self._state.gather_layout is None:
             self._state.gather_layout = layout
@@ -1527,7 +1527,7 @@ class GatherLayout:
                     raise ValueError(
                         f"fsdp_post_all_gather({fqn!r}): HiF8 dense scales differ across ranks {scales_W.tolist()}; "
                         "refresh with refresh_low_precision_weights on every rank (it MAX-reduces the amax over the "
-                        "FSDP group, seed §9.2)."
+                        "FSDP group, design spec §9.2)."
                     )
                 storage[name] = scales_W[0]
             else:
@@ -1755,7 +1755,7 @@ def finalize_low_precision_weights(
             if isinstance(param, DTensor):
                 raise TypeError(
                     f"{fqn}: the parameter is already sharded (DTensor); finalize low-precision weights before "
-                    "fully_shard (seed §12.1: step 6 before step 7)."
+                    "fully_shard (design spec §12.1: step 6 before step 7)."
                 )
             if param.is_meta:
                 raise ValueError(f"{fqn}: the parameter is on the meta device; materialise and initialise it first.")

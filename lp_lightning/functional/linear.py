@@ -108,7 +108,7 @@ def select_weight(weight: torch.Tensor, orientation: Orientation, *, who: str, n
         raise TypeError(
             f"{who}: {name} is a plain {type(weight).__name__} of shape {tuple(weight.shape)}; the low-precision "
             "GEMMs need the persistent low-precision weight derived from the FP32 master (a tensor with "
-            "select(orientation), seed §7.2-7.3). Build it once after init with "
+            "select(orientation), design spec §7.2-7.3). Build it once after init with "
             "lp_lightning.formats.weight (finalize_low_precision_weights / QuantizedWeightTensor.from_master); "
             "the weight is never quantized per call and there is no high-precision fallback."
         )

@@ -114,7 +114,7 @@ class DeepSeekV3LM(pl.LightningModule):
         super().__init__()
         if activation_checkpoint not in ("off", "full"):
             raise ValueError(
-                f"model.activation_checkpoint must be 'off' or 'full' (seed §15), got {activation_checkpoint!r}."
+                f"model.activation_checkpoint must be 'off' or 'full' (design spec §15), got {activation_checkpoint!r}."
             )
         for name, value in (("lr", lr), ("eps", eps)):
             if not value > 0:
@@ -262,7 +262,7 @@ class DeepSeekV3LM(pl.LightningModule):
         not_fp32 = [n for n, p in params if p.dtype != torch.float32]
         if not_fp32:
             raise ValueError(
-                f"AdamW needs FP32 master parameters (seed §15), but {len(not_fp32)} are not FP32 "
+                f"AdamW needs FP32 master parameters (design spec §15), but {len(not_fp32)} are not FP32 "
                 f"(first: {not_fp32[0]!r}). Train with FSDP2Strategy, which upcasts before sharding."
             )
         decay = [p for _, p in params if p.ndim >= 2]

@@ -51,5 +51,5 @@ def test_configure_model_is_idempotent_and_loss_is_shifted_cross_entropy():
 def test_adamw_refuses_non_fp32_parameters():
     module = DeepSeekV3LM()
     module.configure_model()  # plain BF16 model: the strategy has not upcast it
-    with pytest.raises(ValueError, match=r"AdamW needs FP32 master parameters \(seed §15\)"):
+    with pytest.raises(ValueError, match=r"AdamW needs FP32 master parameters \(design spec §15\)"):
         module.configure_optimizers()

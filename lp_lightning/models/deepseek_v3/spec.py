@@ -167,7 +167,8 @@ class SpecValidationError(ValueError):
             lines.append(f"  {field}: expected {expected!r}, got {actual!r}{hint}")
         lines.append(
             "Fix: remove the config_overrides (or source config.json values) that change these fields, "
-            "pick the spec that matches the model, or pass validate=False to build an unvalidated variant."
+            "pick the spec that matches the model, or build an unvalidated variant (CLI: "
+            "`--model.validate_spec false`; Python: from_hf_config(..., validate=False))."
         )
         super().__init__("\n".join(lines))
 

@@ -42,7 +42,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog=PROG,
         description="Build a DeepSeek-V3 model on the meta device, print its structure report and "
-        "validate it against a named spec (seed §4.1). Nothing is downloaded or allocated.",
+        "validate it against a named spec (design spec §4.1). Nothing is downloaded or allocated.",
         exit_on_error=False,
     )
     parser.add_argument(
