@@ -101,10 +101,20 @@ class LPLightningCLI(LightningCLI):
             seed_everything_default=0,
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"prog": "lp-lightning"},
+            parser_kwargs={
+                "prog": "lp-lightning",
+                "description": "Pretrain DeepSeek-V3 with FSDP2 in bf16, mxfp8 or hif8 GEMMs. Also: "
+                "`lp-lightning validate-model --help` (structure report of a spec on the meta device).",
+            },
             args=None if args is None else list(args),
             run=run,
         )
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` (the datamodule has no test or predict data)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

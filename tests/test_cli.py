@@ -190,3 +190,11 @@ def test_validate_model_is_dispatched(capsys):
     assert "dsv3-16b" in capsys.readouterr().out
     assert main(["validate-model", "--spec", "dsv3-16b", "--config_overrides", '{"num_hidden_layers": 27}']) == 1
     assert "num_hidden_layers" in capsys.readouterr().err
+
+
+def test_only_fit_and_validate_are_offered(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["test"])
+    assert exit_info.value.code == 2
+    assert "{fit,validate}" in capsys.readouterr().err
+    assert set(LPLightningCLI.subcommands()) == {"fit", "validate"}

@@ -371,3 +371,9 @@ def test_validate_model_main_with_local_config_path(tmp_path, capsys):
         warnings.simplefilter("ignore")
         assert validate_model_main(["--spec", "dsv3-16b", "--config_path", str(tmp_path)]) == 1
     assert "lm_head.weight" in capsys.readouterr().err
+
+
+def test_validate_model_main_rejects_a_model_without_layers(capsys):
+    overrides = '{"num_hidden_layers": 0}'
+    assert validate_model_main(["--spec", "dsv3-tiny", "--config_overrides", overrides]) == 2
+    assert "num_hidden_layers=0 builds no decoder layer" in capsys.readouterr().err

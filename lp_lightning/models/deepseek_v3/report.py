@@ -209,6 +209,12 @@ def structure_report(model: nn.Module) -> StructureReport:
                 "DeepSeek-V3 decoder stack (build it with from_hf_config/build_meta_model)."
             )
     if not layer_ids:
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        if layers is not None and layers < 1:
+            raise ValueError(
+                f"model: num_hidden_layers={layers} builds no decoder layer; a DeepSeek-V3 needs at "
+                "least 1 (remove the num_hidden_layers override or set it >= 1)."
+            )
         raise ValueError(
             f"model: {type(model).__name__} has no 'model.layers.<i>.' parameters; pass a "
             "transformers DeepseekV3ForCausalLM (e.g. from build_meta_model)."

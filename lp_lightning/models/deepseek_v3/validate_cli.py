@@ -49,7 +49,7 @@ def build_parser() -> ArgumentParser:
         "--spec",
         type=str,
         default="dsv3-16b",
-        choices=sorted(SPECS),
+        metavar="{" + ",".join(sorted(SPECS)) + "}",
         help="Named spec to validate against.",
     )
     parser.add_argument(
@@ -85,15 +85,19 @@ def validate_model_main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    if args.spec not in SPECS:
+        legal = ", ".join(sorted(SPECS))
+        print(f"{PROG}: error: --spec: invalid choice {args.spec!r} (choose from {legal}).", file=sys.stderr)
+        return 2
     overrides = dict(args.config_overrides or {})
     try:
         if args.config_path is None:
             model = build_meta_model(args.spec, config_overrides=overrides)
         else:
             model = build_meta_model(args.config_path, config_overrides={**SPECS[args.spec], **overrides})
+        report = structure_report(model)
     except ValueError as err:
         return _fail(args, str(err), status=2, report=None)
-    report = structure_report(model)
     try:
         validate_spec(model, args.spec)
     except SpecValidationError as err:
