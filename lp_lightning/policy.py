@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
+from lp_lightning.names import LowPrecisionFormat
+
 __all__ = [
     "LEGAL_PAIRS",
     "LowPrecisionConfig",
@@ -45,15 +47,6 @@ __all__ = [
     "RecipeName",
     "ScalingAlgorithm",
 ]
-
-
-class LowPrecisionFormat(str, Enum):
-    """Element format of the low-precision GEMM operands (seed §3, §4.2)."""
-
-    MXFP8_E4M3 = "mxfp8_e4m3"
-    """OCP MX FP8: E4M3 elements with one E8M0 scale per 32-element block (OCP MX v1.0 §5)."""
-    HIF8 = "hif8"
-    """HiFloat8 (arXiv 2409.16626) with one FP32 scale per tensor (or per expert for 3-D)."""
 
 
 class ScalingAlgorithm(str, Enum):

@@ -41,9 +41,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, TypeVar, get_args
+from typing import Literal, get_args
 
 import torch
+
+from lp_lightning.formats.mxfp8 import BLOCK_SIZE
+from lp_lightning.names import LowPrecisionFormat, parse_enum
 
 __all__ = [
     "MX_BLOCK_SIZE",
@@ -56,51 +59,10 @@ __all__ = [
 Orientation = Literal["row", "col"]
 """``"row"``: blocks along the last dim (1×32); ``"col"``: blocks along dim −2 (32×1)."""
 
-MX_BLOCK_SIZE: int = 32
-"""Elements per MX scale block (OCP MX v1.0 §5; FORMATS.md §2)."""
+MX_BLOCK_SIZE: int = BLOCK_SIZE
+"""Elements per MX scale block (OCP MX v1.0 §5; FORMATS.md §2); the codec's ``mxfp8.BLOCK_SIZE``."""
 
 _ORIENTATIONS: tuple[str, ...] = get_args(Orientation)
-
-_E = TypeVar("_E", bound=Enum)
-
-
-def parse_enum(enum_cls: type[_E], value: _E | str, *, argument: str, what: str) -> _E:
-    """``value`` as a member of ``enum_cls`` (the member itself, or its string value).
-
-    Args:
-        enum_cls: A ``str``-valued Enum.
-        value: A member or its value.
-        argument: The argument's name, used in the error (e.g. ``"format"``).
-        what: What the members are, used in the error (e.g. ``"a low-precision format"``).
-
-    Raises:
-        ValueError: ``value`` is not a member's value; the message names the legal values.
-    """
-    if isinstance(value, enum_cls):
-        return value
-    try:
-        return enum_cls(value)
-    except ValueError:
-        legal = ", ".join(repr(member.value) for member in enum_cls)
-        raise ValueError(f"{argument}={value!r} is not {what}; legal values: {legal}.") from None
-
-
-class LowPrecisionFormat(str, Enum):
-    """The element formats of recipe v1 (seed §3, §13.1)."""
-
-    MXFP8_E4M3 = "mxfp8_e4m3"
-    """E4M3 elements with one E8M0 scale per 32-element block."""
-    HIF8 = "hif8"
-    """HiFloat8 codes with an FP32 current-scaling scale (per tensor, or per leading group)."""
-
-    @classmethod
-    def parse(cls, value: LowPrecisionFormat | str) -> LowPrecisionFormat:
-        """Accept the enum or its string value; anything else raises naming the legal values.
-
-        Raises:
-            ValueError: if ``value`` is not a legal format.
-        """
-        return parse_enum(cls, value, argument="format", what="a low-precision format")
 
 
 class QuantizationRole(str, Enum):

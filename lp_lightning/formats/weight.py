@@ -107,9 +107,9 @@ from lp_lightning.formats.operand import (
     Orientation,
     QuantizationRole,
     QuantizedOperand,
-    parse_enum,
 )
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
+from lp_lightning.names import parse_enum
 
 __all__ = [
     "GatherLayout",
