@@ -33,15 +33,21 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
     torchrun --nproc_per_node 2 -m lp_lightning.cli fit --trainer.devices 2
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml
 
-Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder).
+Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder), or
+``--ckpt_path last`` for the newest complete one under the checkpoint folder. The path, the batch
+geometry (``data.global_batch_size`` divisible by accumulation x world size) and a ``torchrun``
+world size that disagrees with ``trainer.devices`` are checked while parsing (exit status 2),
+before any process is launched.
 A run stopped by SIGTERM (preemption) exits with status 143 and can be resumed that way.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 from jsonargparse import Namespace
@@ -53,6 +59,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lp_lightning.config import FSDP2Config
+from lp_lightning.distributed.checkpoint import is_dcp_checkpoint
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
@@ -163,6 +170,8 @@ class LPLightningCLI(LightningCLI):
                         f"--precision {config.precision_name.value}, but precision={section['precision']!r}; "
                         f"set `precision: {config.precision_name.value}` or remove the low_precision section."
                     )
+            if subcommand is not None:
+                _check_launch(section)
         except (TypeError, ValueError) as err:
             target.error(str(err))
 
@@ -188,6 +197,72 @@ class LPLightningCLI(LightningCLI):
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
         return super().instantiate_trainer(**kwargs)
+
+
+def _world_size(trainer: Namespace) -> int | None:
+    """Processes the run will have: torchrun's ``WORLD_SIZE``, else ``devices x num_nodes`` (ints only)."""
+    devices, num_nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+    if isinstance(devices, str) and devices.strip().isdigit():  # LightningCLI keeps "--trainer.devices 2" a str
+        devices = int(devices)
+    launched = os.environ.get("WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
+    if launched is not None:
+        if isinstance(devices, int) and isinstance(num_nodes, int) and devices * num_nodes != int(launched):
+            raise ValueError(
+                f"torchrun started WORLD_SIZE={launched} processes, but trainer.devices={devices} x "
+                f"trainer.num_nodes={num_nodes} = {devices * num_nodes}; pass --trainer.devices "
+                f"{os.environ.get('LOCAL_WORLD_SIZE', launched)} (processes per node) and --trainer.num_nodes "
+                f"to match the torchrun command."
+            )
+        return int(launched)
+    if isinstance(devices, int) and devices > 0 and isinstance(num_nodes, int):
+        return devices * num_nodes
+    return None
+
+
+def _latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete ``step-NNNNNN`` folder under ``folder`` (hidden ``.partial`` ones excluded)."""
+    steps = sorted(p for p in folder.glob("step-*") if p.is_dir() and is_dcp_checkpoint(p))
+    return steps[-1] if steps else None
+
+
+def _check_launch(section: Namespace) -> None:
+    """Checks what would otherwise fail only inside every launched process.
+
+    Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
+    ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent), that
+    ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
+    launch matches ``trainer.devices`` x ``trainer.num_nodes``.
+
+    Raises:
+        ValueError: naming the key, the values and the fix.
+    """
+    trainer = section["trainer"]
+    ckpt_path = section.get("ckpt_path")
+    if ckpt_path is not None:
+        checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")
+        if ckpt_path == "last":
+            latest = _latest_checkpoint(checkpoints)
+            if latest is None:
+                raise ValueError(f"ckpt_path=last: no complete checkpoint folder under {str(checkpoints)!r}.")
+            section["ckpt_path"] = str(latest)
+        elif not is_dcp_checkpoint(ckpt_path):
+            hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
+            latest = _latest_checkpoint(Path(ckpt_path)) if Path(ckpt_path).is_dir() else None
+            if latest is not None:
+                hint = f"did you mean {str(latest)!r} (the newest checkpoint in it)? Or pass `last`"
+            what = "does not exist" if not Path(ckpt_path).exists() else "is not a DCP checkpoint folder"
+            raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
+    world_size = _world_size(trainer)
+    accumulation = trainer.get("accumulate_grad_batches") or 1
+    global_batch_size = section["data"].get("global_batch_size")
+    if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
+        divisor = accumulation * world_size
+        if global_batch_size % divisor:
+            raise ValueError(
+                f"data.global_batch_size={global_batch_size} must be divisible by "
+                f"trainer.accumulate_grad_batches ({accumulation}) x world size ({world_size}) = {divisor}; "
+                f"pick a multiple of {divisor}."
+            )
 
 
 class _ParseOnlyCLI(LPLightningCLI):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import lp_lightning.models.deepseek_v3 as deepseek_v3
-from lp_lightning.cli import LPLightningCLI, main, parse_config
+from lp_lightning.cli import LPLightningCLI, _check_launch, main, parse_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -198,3 +198,50 @@ def test_only_fit_and_validate_are_offered(capsys):
     assert exit_info.value.code == 2
     assert "{fit,validate}" in capsys.readouterr().err
     assert set(LPLightningCLI.subcommands()) == {"fit", "validate"}
+
+
+def _fake_checkpoint(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "message"),
+    [
+        (["--trainer.devices", "3"], {}, "data.global_batch_size=4 must be divisible by trainer.accumulate_grad_batches "
+                                         "(1) x world size (3) = 3"),
+        (["--trainer.accumulate_grad_batches", "8"], {}, "x world size (1) = 8; pick a multiple of 8"),
+        ([], {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+         "torchrun started WORLD_SIZE=2 processes, but trainer.devices=1 x trainer.num_nodes=1 = 1; pass "
+         "--trainer.devices 2"),
+        (["--ckpt_path", "no/such/folder"], {}, "ckpt_path='no/such/folder' does not exist"),
+    ],
+)
+def test_launch_problems_fail_while_parsing(capsys, monkeypatch, no_model_build, options, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *options])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert no_model_build == []
+
+
+def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
+    checkpoints = tmp_path / "checkpoints"
+    _fake_checkpoint(checkpoints / "step-000010")
+    newest = _fake_checkpoint(checkpoints / "step-000020")
+    _fake_checkpoint(checkpoints / ".step-000030.partial")  # a save cut short: never picked
+    root = ["--trainer.default_root_dir", str(tmp_path)]
+    section = parse_config(root)
+    section["ckpt_path"] = "last"
+    _check_launch(section)  # what `lp-lightning fit --ckpt_path last` runs while parsing
+    assert section["ckpt_path"] == str(newest)
+    with pytest.raises(SystemExit):
+        main(["fit", *root, "--ckpt_path", str(checkpoints)])
+    assert f"did you mean {str(newest)!r} (the newest checkpoint in it)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["fit", "--trainer.default_root_dir", str(tmp_path / "empty"), "--ckpt_path", "last"])
+    assert "ckpt_path=last: no complete checkpoint folder" in capsys.readouterr().err
+    assert no_model_build == []

@@ -258,7 +258,11 @@ class _LowPrecisionLinearFunction(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1])
+        # ``detach`` makes the output a tensor of its own rather than a view of ``y_MN`` (same
+        # storage, no copy; nothing else holds ``y_MN``). A module whose output is a view gets a
+        # warning from FSDP2 when it is a sharding unit of its own (a replicated fallback module),
+        # because an in-place op on a view would drop FSDP2's pre-backward hook.
+        return y_MN.reshape(*x.shape[:-1], y_MN.shape[-1]).detach()
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

@@ -39,6 +39,11 @@ key                          meaning
 ``replacement``              the replacement plan's report (``ReplacementReport.as_dict()``:
                              ``counts`` per rule, ``replaced`` FQNs, ``skipped`` with reasons);
                              ``null`` in ``bf16`` (no plan runs)
+``sharding``                 what the strategy's setup did (``ParallelizationRecord``): ``steps``,
+                             ``mesh_shape``, ``reshard_after_forward``, ``param_dtype`` /
+                             ``reduce_dtype``, ``fp32_compute_modules``, ``low_precision_weights``
+                             and ``replicated_low_precision`` (``[{"fqn", "reason"}]``: weights
+                             kept replicated by ``fsdp_config.fallback_to_unsharded``)
 ``kernels``                  low-precision GEMM events of this call per role (``"dense.fprop"``
                              ... ``"grouped.wgrad"``), ``backends`` / ``formats`` (event counts),
                              ``high_precision_gemms_in_replaced_modules`` (must be 0) and
@@ -62,6 +67,7 @@ key                          meaning
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import resource
@@ -366,9 +372,17 @@ class RunSummaryCallback(Callback):
             "startup": refreshes.get("startup", 0),
             "resume": refreshes.get("resume", 0),
         }
+        record = getattr(trainer.strategy, "parallelization", None)
+        sharding = None
+        if record is not None:
+            sharding = dataclasses.asdict(record)
+            sharding["replicated_low_precision"] = [
+                {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
+            ]
         return {
             "low_precision": policy.as_dict() if policy is not None else None,
             "replacement": report.as_dict() if report is not None else None,
+            "sharding": sharding,
             "kernels": kernels,
             "refresh": refresh,
             "wire": self._wire.summary() if self._wire is not None else None,

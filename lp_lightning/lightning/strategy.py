@@ -52,6 +52,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -140,6 +141,22 @@ class _FSDP2Common:
         dp_shard_size = self.fsdp_config.resolve_dp_shard_size(self.world_size)  # type: ignore[attr-defined]
         self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)  # type: ignore[attr-defined]
         return self._device_mesh
+
+    def _record_parallelization(self, plugin: LowPrecisionFabricPlugin, record: ParallelizationRecord) -> None:
+        """Keeps what setup did; says (rank 0) which low-precision weights stay replicated."""
+        if "refresh_low_precision" in record.steps:
+            plugin.note_startup_refresh()
+        self.parallelization = record
+        replicated = record.replicated_low_precision
+        if replicated:
+            listed = "\n  ".join(reason for _, reason in replicated[:8])
+            more = f"\n  ... and {len(replicated) - 8} more" if len(replicated) > 8 else ""
+            rank_zero_warn(
+                f"fsdp_config.fallback_to_unsharded: {len(replicated)} low-precision weight(s) break the "
+                f"MXFP8 shard rule over {record.mesh_shape[0]} ranks and stay replicated (full 8-bit copy "
+                f"on every rank, gradients all-reduced; their GEMMs stay low precision):\n  {listed}{more}\n"
+                f"The full list is in run_summary.json under sharding.replicated_low_precision."
+            )
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or process_group_backend_for(self.root_device.type)  # type: ignore[attr-defined]
@@ -244,9 +261,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
-            if "refresh_low_precision" in record.steps:
-                plugin.note_startup_refresh()
-            self.parallelization = record
+            self._record_parallelization(plugin, record)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -386,9 +401,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
         )
         assert parallel_lm is causal_lm
-        if "refresh_low_precision" in record.steps:
-            plugin.note_startup_refresh()
-        self.parallelization = record
+        self._record_parallelization(plugin, record)
         return module
 
     @override

@@ -98,6 +98,7 @@ def test_shapes_dtypes_and_exact_match_with_format_layer_reference(fmt, x_shape,
     y, dx = _run(x, weight, bias, dy, fmt)
 
     assert y.shape == (*x_shape[:-1], n) and y.dtype == torch.bfloat16
+    assert y._base is None  # not a view: safe as the output of an FSDP2 unit (replicated fallback)
     assert dx.shape == x.shape and dx.dtype == torch.bfloat16
     assert weight.grad.shape == master.shape and weight.grad.dtype == torch.float32
     assert type(weight.grad) is torch.Tensor

@@ -66,6 +66,7 @@ def _run(root: Path, cache_dir: str, precision: str, *extra: str, expect_failure
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads((root / "run_summary.json").read_text())
     summary["root"] = str(root)
+    summary["stderr"] = proc.stderr
     return summary
 
 
@@ -348,6 +349,9 @@ def test_fallback_keeps_illegal_weights_replicated_and_low_precision(runs):
     assert summary["refresh"]["per_step"] == [LOW_PRECISION_WEIGHTS] * 2
     assert summary["wire"]["high_precision_gathers_of_replaced"] == 0
     replicated = {f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(3)}
+    assert {w["fqn"] for w in summary["sharding"]["replicated_low_precision"]} == replicated
+    assert "3 low-precision weight(s) break the MXFP8 shard rule over 2 ranks and stay replicated" in summary["stderr"]
+    assert "returned a view tensor" not in summary["stderr"]  # the replicated modules' outputs are not views
     for rank in (0, 1):
         facts = json.loads((Path(summary["root"]) / "probe" / f"probe_rank{rank}.json").read_text())
         assert {fqn for fqn, _ in facts["parallelization"]["replicated_low_precision"]} == replicated
