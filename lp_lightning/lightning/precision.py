@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
@@ -340,12 +341,14 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         """
         mode = state_dict.get("mode", self.mode)
         if mode != self.mode:
-            log.warning(
-                "resuming a checkpoint trained with precision=%r in precision=%r: the FP32 masters and AdamW "
-                "state are restored and the low-precision weights are rebuilt in %r.",
-                mode,
-                self.mode,
-                self.mode,
+            rebuilt = (
+                "no low-precision weight is built (bf16 GEMMs)"
+                if self.mode == "bf16"
+                else f"the low-precision weights are rebuilt from them in {self.mode}"
+            )
+            rank_zero_warn(
+                f"resuming a checkpoint trained with precision={mode!r} in precision={self.mode!r}: the FP32 "
+                f"masters and AdamW state are restored and {rebuilt}."
             )
         self.optimizer_steps_applied = int(state_dict.get("optimizer_steps_applied", 0))
         self.optimizer_steps_skipped = int(state_dict.get("optimizer_steps_skipped", 0))
