@@ -52,6 +52,7 @@ from typing import Any, Optional
 
 from jsonargparse import Namespace
 
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import Trainer
@@ -64,6 +65,7 @@ from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallb
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import LowPrecisionPlugin, PrecisionMode
+from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.policy import LowPrecisionConfig
 
@@ -196,6 +198,14 @@ class LPLightningCLI(LightningCLI):
         kwargs["plugins"] = [LowPrecisionPlugin(precision)]
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
+        # The step bar replaces Lightning's epoch bar (which reads "Epoch 0/-2" with max_steps), unless
+        # the bar is disabled or the user passed a progress bar of their own.
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(
+            isinstance(c, ProgressBar) for c in callbacks
+        ):
+            kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks, default_progress_bar()]
         return super().instantiate_trainer(**kwargs)
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import LPLightningCLI, _check_launch, main, parse_config
+from lp_lightning.lightning.progress import default_progress_bar
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -176,6 +178,19 @@ def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     assert len(summary) == 1 and summary[0].precision == "bf16"
     checkpoint = [c for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)]
     assert len(checkpoint) == 1 and checkpoint[0].every_n_steps == 20
+    assert type(trainer.progress_bar_callback) is type(default_progress_bar())  # counts optimizer steps
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--trainer.enable_progress_bar", "false"], type(None)),
+        (["--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], TQDMProgressBar),
+    ],
+)
+def test_progress_bar_off_or_the_users_own(tmp_path, options, expected):
+    cli = LPLightningCLI(args=["--trainer.default_root_dir", str(tmp_path), *options], run=False)
+    assert type(cli.trainer.progress_bar_callback) is expected
 
 
 def test_cli_maps_precision_onto_the_plugin_policy(tmp_path):
