@@ -69,7 +69,12 @@ def fused(fn: F) -> F:
             with _lock:
                 kernel = compiled.setdefault(device, torch.compile(fn, dynamic=True))
         try:
-            return kernel(*args, **kwargs)
+            # One context for every call: grad mode and autocast state are compile guards, and
+            # the kernels (integer and element-wise work on detached values) depend on neither, so
+            # calls from forward, backward, recompute and no_grad code share one compiled graph
+            # instead of exhausting torch.compile's recompile limit.
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                return kernel(*args, **kwargs)
         except Exception as exc:  # compilation problems only: eager is bit-identical
             _broken_devices.add(device)
             warnings.warn(
