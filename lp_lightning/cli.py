@@ -60,7 +60,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lp_lightning.config import FSDP2Config
-from lp_lightning.distributed.checkpoint import is_dcp_checkpoint
+from lp_lightning.distributed.checkpoint import is_dcp_checkpoint, verify_dcp_checkpoint
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
@@ -230,9 +230,20 @@ def _world_size(trainer: Namespace) -> int | None:
 
 
 def _latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete ``step-NNNNNN`` folder under ``folder`` (hidden ``.partial`` ones excluded)."""
-    steps = sorted(p for p in folder.glob("step-*") if p.is_dir() and is_dcp_checkpoint(p))
-    return steps[-1] if steps else None
+    """The newest complete ``step-NNNNNN`` folder under ``folder``.
+
+    Hidden ``.partial`` folders (saves cut short) never match; a folder that fails
+    :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` (e.g. a truncated shard
+    file) is skipped with a note on stderr naming it and why.
+    """
+    for path in sorted((p for p in folder.glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            verify_dcp_checkpoint(path, weights_only=False)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"lp-lightning: skipping {str(path)!r}: {err}", file=sys.stderr)
+            continue
+        return path
+    return None
 
 
 def _check_launch(section: Namespace) -> None:
@@ -316,11 +327,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         LPLightningCLI(args=None if argv is None else args)
     except SIGTERMException:
         # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
-        print(
-            "lp-lightning: training stopped early by SIGTERM. Resume from the last checkpoint "
-            "folder with `lp-lightning fit ... --ckpt_path <default_root_dir>/checkpoints/step-NNNNNN`.",
-            file=sys.stderr,
-        )
+        # PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.
+        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+            print(
+                "lp-lightning: training stopped early by SIGTERM. Resume with the same command plus "
+                "`--ckpt_path last` (the newest complete checkpoint under <default_root_dir>/checkpoints).",
+                file=sys.stderr,
+            )
         return 128 + signal.SIGTERM
     return 0
 

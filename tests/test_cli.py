@@ -216,9 +216,12 @@ def test_only_fit_and_validate_are_offered(capsys):
 
 
 def _fake_checkpoint(path: Path) -> Path:
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
-    return path
+    """A real (tiny) checkpoint folder, written by the same function as training checkpoints."""
+    import torch
+
+    from lp_lightning.distributed.checkpoint import save_dcp_checkpoint
+
+    return save_dcp_checkpoint(path, model_state={"w": torch.ones(64)}, optimizer_states={}, metadata={}, rank=0)
 
 
 @pytest.mark.parametrize(
@@ -248,11 +251,15 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     _fake_checkpoint(checkpoints / "step-000010")
     newest = _fake_checkpoint(checkpoints / "step-000020")
     _fake_checkpoint(checkpoints / ".step-000030.partial")  # a save cut short: never picked
+    damaged = _fake_checkpoint(checkpoints / "step-000040")
+    for shard in damaged.glob("*.distcp"):
+        shard.write_bytes(b"")  # truncated after the fact: skipped, and said so
     root = ["--trainer.default_root_dir", str(tmp_path)]
     section = parse_config(root)
     section["ckpt_path"] = "last"
     _check_launch(section)  # what `lp-lightning fit --ckpt_path last` runs while parsing
     assert section["ckpt_path"] == str(newest)
+    assert f"skipping {str(damaged)!r}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["fit", *root, "--ckpt_path", str(checkpoints)])
     assert f"did you mean {str(newest)!r} (the newest checkpoint in it)" in capsys.readouterr().err

@@ -80,7 +80,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.callbacks import Callback, Checkpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 __all__ = ["PeriodicCheckpoint", "RunSummaryCallback", "checkpoint_dirname"]
@@ -92,7 +95,11 @@ def checkpoint_dirname(global_step: int) -> str:
 
 
 class PeriodicCheckpoint(Checkpoint):
-    """Saves a DCP checkpoint every ``every_n_steps`` optimizer steps and at the end of training.
+    """Saves a DCP checkpoint every ``every_n_steps`` optimizer steps, at the end and on SIGTERM.
+
+    A fresh run (step 0) whose folder already holds ``step-*`` checkpoints of another run gets a
+    warning. On SIGTERM the last completed step is saved before the run exits (see
+    :meth:`on_exception`).
 
     It is a Lightning ``Checkpoint`` callback, so the Trainer adds no default ``ModelCheckpoint``
     next to it. Saving goes through ``trainer.save_checkpoint`` and hence through
@@ -130,6 +137,34 @@ class PeriodicCheckpoint(Checkpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.saved = []
         self._last_saved_step = trainer.global_step  # the restored step is already on disk
+        folder = self._dir(trainer)
+        earlier = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
+        if trainer.global_step == 0 and earlier:
+            shown = ", ".join(earlier[:4]) + (f" ... ({len(earlier)} folders)" if len(earlier) > 4 else "")
+            rank_zero_warn(
+                f"{str(folder)!r} already holds checkpoints of an earlier run ({shown}). This new run "
+                f"overwrites folders of the same step and leaves the others, so `--ckpt_path last` could "
+                f"later resume the other run. Use a fresh --trainer.default_root_dir, delete them, or "
+                f"resume that run with --ckpt_path last."
+            )
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """On SIGTERM (preemption), saves the last completed optimizer step if it is not on disk.
+
+        Lightning raises ``SIGTERMException`` on every rank at the same batch boundary (rank 0's
+        signal is broadcast), so the collective save is safe. Mid-accumulation (some micro-batches
+        of the next step already ran) nothing is saved: their gradients are not in a checkpoint, so
+        the folder of the last completed step stays the resume point.
+        """
+        if not isinstance(exception, SIGTERMException) or not trainer.training:
+            return
+        step = trainer.global_step
+        micro_batches_done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        at_step_boundary = micro_batches_done % trainer.accumulate_grad_batches == 0
+        if step > 0 and step != self._last_saved_step and at_step_boundary:
+            self._save(trainer)
+            rank_zero_info(f"SIGTERM: saved the checkpoint of step {step} to {self.saved[-1]!r}.")
 
     @override
     def on_train_batch_end(

@@ -195,6 +195,12 @@ class PretrainDataModule(pl.LightningDataModule):
         trainer = self.trainer
         assert self.cache is not None and trainer is not None
         accum = trainer.accumulate_grad_batches
+        if trainer.global_step > trainer.max_steps:
+            raise ValueError(
+                f"the restored checkpoint is at step {trainer.global_step}, beyond trainer.max_steps="
+                f"{trainer.max_steps}; to train on, set --trainer.max_steps above {trainer.global_step} "
+                f"(and --model.lr_decay_steps if the schedule should stretch too)."
+            )
         dataset = StepBatchDataset(
             self.cache,
             seed=self.seed,

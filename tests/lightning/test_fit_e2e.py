@@ -173,8 +173,9 @@ def test_run_summary_contract(runs):
     assert (Path(summary["root"]) / "logs" / "version_0" / "metrics.csv").is_file()
 
 
-def test_sigterm_exits_143_and_leaves_only_complete_checkpoints(tmp_path, token_cache_dir):
-    """A preempted run (SIGTERM) exits with 128 + 15 and a resume hint; its checkpoints load."""
+def test_sigterm_saves_the_last_step_exits_143_and_resumes(tmp_path, token_cache_dir):
+    """A preempted run (SIGTERM) saves its last completed step, exits with 128 + 15 and a resume
+    hint, leaves only complete checkpoint folders, and `--ckpt_path last` continues from there."""
     import signal
     import time
 
@@ -185,20 +186,52 @@ def test_sigterm_exits_143_and_leaves_only_complete_checkpoints(tmp_path, token_
         sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
         "--trainer.default_root_dir", str(root), "--data.cache_dir", token_cache_dir,
         "--data.seq_len", "64", "--data.global_batch_size", "4", "--data.val_batches", "1",
-        "--trainer.max_steps", "1000", "--checkpoint.every_n_steps", "1",
+        "--checkpoint.every_n_steps", "2", "--trainer.accumulate_grad_batches", "2",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     ]  # fmt: skip
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*args, "--trainer.max_steps", "1000"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     checkpoints = root / "checkpoints"
     deadline = time.monotonic() + 300
     while not (checkpoints / "step-000002").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
+    time.sleep(3)  # into the next steps, possibly mid-accumulation
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert "stopped early by SIGTERM" in stderr and "--ckpt_path" in stderr
+    assert "stopped early by SIGTERM" in stderr and "--ckpt_path last" in stderr
     folders = sorted(p.name for p in checkpoints.iterdir())
-    assert folders and all(name.startswith("step-") for name in folders), folders  # no .partial left visible
-    for name in folders:
-        assert verify_dcp_checkpoint(checkpoints / name, weights_only=False)["global_step"] == int(name[5:])
+    assert all(name.startswith("step-") for name in folders), folders  # no .partial left visible
+    steps = [verify_dcp_checkpoint(checkpoints / name, weights_only=False)["global_step"] for name in folders]
+    assert steps == [int(name[5:]) for name in folders]
+    last = steps[-1]
+    if last % 2:  # not a periodic save: the SIGTERM save of the last completed step
+        assert f"SIGTERM: saved the checkpoint of step {last}" in stdout + stderr
+    resumed = subprocess.run([*args, "--trainer.max_steps", str(last + 1), "--ckpt_path", "last"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((root / "run_summary.json").read_text())
+    assert summary["first_step"] == last and summary["global_step"] == last + 1
+
+
+def test_fresh_run_into_a_folder_with_old_checkpoints_warns_and_max_steps_below_the_checkpoint_fails(
+    tmp_path, token_cache_dir
+):
+    root = tmp_path / "reuse"
+    args = [
+        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
+        "--trainer.default_root_dir", str(root), "--data.cache_dir", token_cache_dir,
+        "--data.seq_len", "32", "--data.global_batch_size", "2", "--data.val_batches", "1",
+        "--checkpoint.every_n_steps", "1", "--trainer.val_check_interval", "1000",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    ]  # fmt: skip
+    first = subprocess.run([*args, "--trainer.max_steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run([*args, "--trainer.max_steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already holds checkpoints of an earlier run (step-000001, step-000002)" in again.stderr
+    behind = subprocess.run([*args, "--trainer.max_steps", "1", "--ckpt_path", str(root / "checkpoints" / "step-000002")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert behind.returncode != 0
+    assert "the restored checkpoint is at step 2, beyond trainer.max_steps=1" in behind.stderr
