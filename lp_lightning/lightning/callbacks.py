@@ -55,10 +55,12 @@ key                          meaning
                              ``weights`` (low-precision weights), ``skipped_steps`` (steps of this
                              call skipped for a non-finite gradient norm), ``startup`` /
                              ``resume`` (full rebuilds after ``fully_shard`` / a checkpoint load)
-``wire``                     ``all_gather_bytes`` / ``reduce_scatter_bytes`` (dtype name ->
-                             bytes of this rank's collective inputs per optimizer step),
-                             ``high_precision_gathers_of_replaced`` (must be 0),
-                             ``low_precision_weights_gathered``, ``gathers_per_step`` (forward /
+``wire``                     ``all_gather_bytes`` / ``reduce_scatter_bytes`` /
+                             ``all_reduce_bytes`` (dtype name -> bytes of this rank's collective
+                             inputs per optimizer step), ``high_precision_gathers_of_replaced``
+                             (must be 0), ``low_precision_weights_gathered`` (of which
+                             ``..._gathered_locally``: one-rank shard groups, no collective),
+                             ``gathers_per_step`` (forward /
                              backward weight gathers); the individual events of the first step
                              are in ``wire_trace_rank<r>.json`` next to the summary
                              (:mod:`lp_lightning.lightning.probes`)

@@ -54,9 +54,16 @@ step (and reports the largest number of builds of one weight in one step, which 
   (``GatheredWeightTensor`` after a gather); a plain BF16/FP32 tensor there, or a pre-all-gather
   output wider than one byte, is counted.
 
+- every ``torch.distributed.all_reduce`` (FSDP2's HSDP gradient all-reduce over the replicate
+  dim of replicated fallback weights, the HiF8 amax MAX-reduce, gradient-norm reductions) is
+  counted apart under ``all_reduce_bytes``.
+
 Bytes are *this rank's collective inputs* (an all-gather moves ``W`` times that into every rank).
-A one-rank FSDP2 group issues no collective at all (FSDP2 copies the gather inputs locally), so a
-single-process run reports empty byte maps while its per-weight gather events are still recorded.
+A one-rank FSDP2 shard group issues no collective at all (FSDP2 copies the gather inputs
+locally): a single-process run, and the replicated fallback weights of a multi-process run (shard
+group of one rank on the ``(W, 1)`` mesh). Their gathers are recorded as ``weight_gather_local``
+events and counted in ``low_precision_weights_gathered_locally``, never attributed to a
+collective, so a single-process run reports empty byte maps.
 """
 
 from __future__ import annotations
@@ -401,6 +408,10 @@ class WireRecorder:
     Attributes:
         all_gather_bytes: ``{dtype name: bytes}`` over all closed steps.
         reduce_scatter_bytes: ``{dtype name: bytes}`` over all closed steps.
+        all_reduce_bytes: ``{dtype name: bytes}`` of every ``all_reduce`` over all closed steps
+            (HSDP gradients of replicated fallback weights, HiF8 amax MAX-reduces, norms).
+        locally_gathered: FQNs of low-precision weights whose shard group has one rank (replicated
+            fallback weights, or a one-process run): FSDP2 unshards them with a local copy.
         steps: Closed optimizer steps.
         high_precision_gathers_of_replaced: See the module docstring (must be 0).
         gathers_per_weight: ``{fqn: {"forward": n, "backward": n}}`` over all closed steps.
@@ -412,6 +423,8 @@ class WireRecorder:
         self.trace_steps = trace_steps
         self.all_gather_bytes: Counter[str] = Counter()
         self.reduce_scatter_bytes: Counter[str] = Counter()
+        self.all_reduce_bytes: Counter[str] = Counter()
+        self.locally_gathered: set[str] = set()
         self.steps = 0
         self.high_precision_gathers_of_replaced = 0
         self.gathers_per_weight: dict[str, Counter[str]] = defaultdict(Counter)
@@ -419,6 +432,8 @@ class WireRecorder:
         self._pending: list[WeightGather] = []
         self._step_ag: Counter[str] = Counter()
         self._step_rs: Counter[str] = Counter()
+        self._step_ar: Counter[str] = Counter()
+        self._step_local: set[str] = set()
         self._step_hp = 0
         self._step_weights: dict[str, Counter[str]] = defaultdict(Counter)
         self._step_trace: list[dict[str, Any]] = []
@@ -427,7 +442,9 @@ class WireRecorder:
         self._hooks: list[Any] = []
 
     # -- observation -------------------------------------------------------------------------------
-    def _on_weight_gather(self, weight: Any, outputs: tuple[torch.Tensor, ...], metadata: Any) -> None:
+    def _on_weight_gather(
+        self, weight: Any, outputs: tuple[torch.Tensor, ...], metadata: Any, *, local: bool = False
+    ) -> None:
         tensors = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in outputs)
         event = WeightGather(
             fqn=weight.fqn,
@@ -438,12 +455,16 @@ class WireRecorder:
         )
         if self._paused:
             return
-        self._pending.append(event)
+        if local:  # one-rank shard group (replicated fallback, one process): FSDP2 copies, no collective
+            self._step_local.add(event.fqn)
+        else:
+            self._pending.append(event)
         self._step_weights[event.fqn][event.phase] += 1
         if any(t.element_size() > 1 for t in outputs):
             self._step_hp += 1
         if self.steps < self.trace_steps:
-            self._step_trace.append({"kind": "weight_gather", **event.as_dict()})
+            kind = "weight_gather_local" if local else "weight_gather"
+            self._step_trace.append({"kind": kind, **event.as_dict()})
 
     def _on_collective(self, kind: str, tensor: torch.Tensor) -> None:
         if self._paused:
@@ -454,6 +475,12 @@ class WireRecorder:
         if kind == "reduce_scatter":
             self._step_rs[dtype] += total
             split = {dtype: total}
+        elif kind == "all_reduce":
+            self._step_ar[dtype] += total
+            split = {dtype: total}
+            if self.steps < self.trace_steps:
+                self._step_trace.append({"kind": kind, "buffer_dtype": dtype, "bytes": total})
+            return
         else:
             low = sum(e.bytes for e in self._pending)
             if tensor.dtype == torch.uint8 and self._pending:
@@ -501,7 +528,7 @@ class WireRecorder:
         """Wrap the collectives (and the low-precision pre-all-gather hook, if loaded); hook ``model``."""
         recorder = self
 
-        def wrap(name: str, kind: str) -> None:
+        def wrap(name: str, kind: str, input_index: int) -> None:
             original = getattr(dist, name, None)
             if original is None:
                 return
@@ -513,13 +540,16 @@ class WireRecorder:
                 return original(*args, **kwargs)
 
             signature = inspect.signature(original)
-            input_name = list(signature.parameters)[1]  # (output, input, ...) in both APIs
+            input_name = list(signature.parameters)[input_index]
             setattr(dist, name, wrapped)
             self._stack.callback(setattr, dist, name, original)
 
-        # What FSDP2's default collectives call (torch.distributed.fsdp._fully_shard._fsdp_collectives).
-        wrap("all_gather_single", "all_gather")
-        wrap("reduce_scatter_single", "reduce_scatter")
+        # What FSDP2's default collectives call (torch.distributed.fsdp._fully_shard._fsdp_collectives):
+        # (output, input, ...) for the two sharded ones; all_reduce(tensor, ...) for HSDP's replicate
+        # dim (the gradients of replicated fallback weights) and for every other all-reduce in a step.
+        wrap("all_gather_single", "all_gather", 1)
+        wrap("reduce_scatter_single", "reduce_scatter", 1)
+        wrap("all_reduce", "all_reduce", 0)
 
         weight_module = sys.modules.get("lp_lightning.formats.weight")
         if weight_module is not None:
@@ -529,7 +559,9 @@ class WireRecorder:
             @functools.wraps(original_pre)  # FSDP2 inspects the signature (5 parameters)
             def pre_all_gather(self_: Any, *args: Any, **kwargs: Any) -> Any:
                 outputs, metadata = original_pre(self_, *args, **kwargs)
-                recorder._on_weight_gather(self_, tuple(outputs), metadata)
+                mesh = args[0] if args else kwargs.get("mesh")
+                local = mesh is not None and mesh.size() == 1
+                recorder._on_weight_gather(self_, tuple(outputs), metadata, local=local)
                 return outputs, metadata
 
             cls.fsdp_pre_all_gather = pre_all_gather
@@ -557,6 +589,8 @@ class WireRecorder:
         """Fold the events since the previous call into the totals of one optimizer step."""
         self.all_gather_bytes.update(self._step_ag)
         self.reduce_scatter_bytes.update(self._step_rs)
+        self.all_reduce_bytes.update(self._step_ar)
+        self.locally_gathered |= self._step_local
         self.high_precision_gathers_of_replaced += self._step_hp
         for fqn, counts in self._step_weights.items():
             self.gathers_per_weight[fqn].update(counts)
@@ -564,7 +598,8 @@ class WireRecorder:
             self.trace.extend({"step": self.steps, **event} for event in self._step_trace)
         self.steps += 1
         self._pending.clear()  # a one-rank group gathers without a collective (FSDP2 copies locally)
-        self._step_ag, self._step_rs = Counter(), Counter()
+        self._step_ag, self._step_rs, self._step_ar = Counter(), Counter(), Counter()
+        self._step_local = set()
         self._step_hp = 0
         self._step_weights = defaultdict(Counter)
         self._step_trace = []
@@ -575,8 +610,10 @@ class WireRecorder:
         return {
             "all_gather_bytes": {k: v / steps for k, v in sorted(self.all_gather_bytes.items())},
             "reduce_scatter_bytes": {k: v / steps for k, v in sorted(self.reduce_scatter_bytes.items())},
+            "all_reduce_bytes": {k: v / steps for k, v in sorted(self.all_reduce_bytes.items())},
             "high_precision_gathers_of_replaced": self.high_precision_gathers_of_replaced,
             "low_precision_weights_gathered": len(self.gathers_per_weight),
+            "low_precision_weights_gathered_locally": len(self.locally_gathered),
             "gathers_per_step": {
                 phase: sum(c[phase] for c in self.gathers_per_weight.values()) / steps
                 for phase in ("forward", "backward")

@@ -140,8 +140,9 @@ def test_fit_writes_the_low_precision_run_summary(runs, precision):
     assert wire["low_precision_weights_gathered"] == LOW_PRECISION_WEIGHTS
     assert wire["gathers_per_step"] == {"forward": LOW_PRECISION_WEIGHTS, "backward": LOW_PRECISION_WEIGHTS}
     assert wire["all_gather_bytes"] == wire["reduce_scatter_bytes"] == {}  # one rank: FSDP2 issues no collective
+    assert wire["low_precision_weights_gathered_locally"] == LOW_PRECISION_WEIGHTS
     trace = json.loads((Path(summary["root"]) / "wire_trace_rank0.json").read_text())
-    gathers = [e for e in trace["events"] if e["kind"] == "weight_gather"]
+    gathers = [e for e in trace["events"] if e["kind"] == "weight_gather_local"]  # one rank: local
     assert len(gathers) == 2 * LOW_PRECISION_WEIGHTS  # step 0: one forward and one backward gather each
     assert all(dtype == "uint8" for e in gathers for dtype, _ in e["tensors"])
     assert summary["steps"] == STEPS and summary["loss_last"] < summary["loss_first"]
@@ -281,6 +282,7 @@ def test_two_process_fit_gathers_only_8bit_payloads(runs, precision):
     wire = summary["wire"]
     assert wire["high_precision_gathers_of_replaced"] == 0
     assert wire["low_precision_weights_gathered"] == LOW_PRECISION_WEIGHTS
+    assert wire["low_precision_weights_gathered_locally"] == 0
     assert set(wire["all_gather_bytes"]) == {"uint8", "bfloat16", "float32"}  # 8-bit weights, BF16 rest, FP32 router
     assert set(wire["reduce_scatter_bytes"]) == {"float32"}  # FP32 gradient reduce-scatter (seed §10)
     root = Path(summary["root"])
@@ -352,6 +354,17 @@ def test_fallback_keeps_illegal_weights_replicated_and_low_precision(runs):
     assert {w["fqn"] for w in summary["sharding"]["replicated_low_precision"]} == replicated
     assert "3 low-precision weight(s) break the MXFP8 shard rule over 2 ranks and stay replicated" in summary["stderr"]
     assert "returned a view tensor" not in summary["stderr"]  # the replicated modules' outputs are not views
+    wire = summary["wire"]
+    assert wire["low_precision_weights_gathered"] == LOW_PRECISION_WEIGHTS
+    assert wire["low_precision_weights_gathered_locally"] == len(replicated)  # (W, 1) mesh: no collective
+    assert wire["all_reduce_bytes"]["float32"] > 0  # HSDP all-reduce of the replicated weights' gradients
+    events = json.loads((Path(summary["root"]) / "wire_trace_rank0.json").read_text())["events"]
+    local = {e["fqn"] for e in events if e["kind"] == "weight_gather_local"}
+    assert local == replicated
+    for event in events:
+        if event["kind"] == "all_gather":  # the split of a buffer adds up to the buffer
+            assert sum(event["bytes_by_dtype"].values()) == event["bytes"], event
+            assert not set(event["low_precision_fqns"]) & replicated
     for rank in (0, 1):
         facts = json.loads((Path(summary["root"]) / "probe" / f"probe_rank{rank}.json").read_text())
         assert {fqn for fqn, _ in facts["parallelization"]["replicated_low_precision"]} == replicated
