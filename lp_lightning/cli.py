@@ -34,7 +34,8 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml
 
 Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder), or
-``--ckpt_path last`` for the newest complete one under the checkpoint folder. The path, the batch
+``--ckpt_path last`` for the newest complete one under the checkpoint folder (none yet: the run
+starts from step 0, so a job script may pass ``last`` on every start). The path, the batch
 geometry (``data.global_batch_size`` divisible by accumulation x world size) and a ``torchrun``
 world size that disagrees with ``trainer.devices`` are checked while parsing (exit status 2),
 before any process is launched.
@@ -262,10 +263,15 @@ def _check_launch(section: Namespace) -> None:
     if ckpt_path is not None:
         checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")
         if ckpt_path == "last":
+            # As Lightning's "last": a job script can pass it on every (re)start; the first one starts fresh.
             latest = _latest_checkpoint(checkpoints)
             if latest is None:
-                raise ValueError(f"ckpt_path=last: no complete checkpoint folder under {str(checkpoints)!r}.")
-            section["ckpt_path"] = str(latest)
+                print(
+                    f"lp-lightning: ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}; "
+                    f"starting from step 0.",
+                    file=sys.stderr,
+                )
+            section["ckpt_path"] = None if latest is None else str(latest)
         elif not is_dcp_checkpoint(ckpt_path):
             hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
             latest = _latest_checkpoint(Path(ckpt_path)) if Path(ckpt_path).is_dir() else None

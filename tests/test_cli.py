@@ -263,7 +263,9 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     with pytest.raises(SystemExit):
         main(["fit", *root, "--ckpt_path", str(checkpoints)])
     assert f"did you mean {str(newest)!r} (the newest checkpoint in it)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["fit", "--trainer.default_root_dir", str(tmp_path / "empty"), "--ckpt_path", "last"])
-    assert "ckpt_path=last: no complete checkpoint folder" in capsys.readouterr().err
+    fresh = parse_config(["--trainer.default_root_dir", str(tmp_path / "empty")])
+    fresh["ckpt_path"] = "last"
+    _check_launch(fresh)  # nothing to resume yet: start from step 0, as Lightning's "last"
+    assert fresh["ckpt_path"] is None
+    assert "ckpt_path=last: no complete checkpoint" in capsys.readouterr().err
     assert no_model_build == []
