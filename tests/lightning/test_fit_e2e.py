@@ -43,22 +43,28 @@ SUMMARY_KEYS = {
 }
 
 
-def _run(root: Path, cache_dir: str, *extra: str, console_script: bool = False) -> dict:
-    script = shutil.which("lp-lightning", path=str(Path(sys.executable).parent))
-    launcher = [script] if console_script and script else [sys.executable, "-m", "lp_lightning.cli"]
-    args = [
-        "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
+def _fit_command(root: Path, cache_dir: str, *options: str) -> list[str]:
+    """``python -m lp_lightning.cli fit`` on the tiny config into ``root``, quiet, plus ``options``."""
+    return [
+        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
         "--trainer.default_root_dir", str(root), "--data.cache_dir", cache_dir,
-        "--data.seq_len", "64", "--data.global_batch_size", "4", "--data.val_batches", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *options,
+    ]  # fmt: skip
+
+
+def _run(root: Path, cache_dir: str, *extra: str, console_script: bool = False) -> dict:
+    command = _fit_command(
+        root, cache_dir, "--data.seq_len", "64", "--data.global_batch_size", "4", "--data.val_batches", "1",
         "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--checkpoint.every_n_steps", "2",
         "--model.warmup_steps", "2", "--model.lr_decay_steps", "4",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.callbacks+=_probes.ShardingProbe", f"--trainer.callbacks.out_dir={root / 'probe'}",
-        *extra,
-    ]
+        "--trainer.callbacks+=_probes.ShardingProbe", f"--trainer.callbacks.out_dir={root / 'probe'}", *extra,
+    )  # fmt: skip
+    script = shutil.which("lp-lightning", path=str(Path(sys.executable).parent))
+    if console_script and script:
+        command = [script, *command[3:]]  # as a user types it: lp-lightning fit ...
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
-    proc = subprocess.run(launcher + args, cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads((root / "run_summary.json").read_text())
 
@@ -182,13 +188,10 @@ def test_sigterm_saves_the_last_step_exits_143_and_resumes(tmp_path, token_cache
     from lp_lightning.distributed.checkpoint import verify_dcp_checkpoint
 
     root = tmp_path / "sigterm"
-    args = [
-        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
-        "--trainer.default_root_dir", str(root), "--data.cache_dir", token_cache_dir,
-        "--data.seq_len", "64", "--data.global_batch_size", "4", "--data.val_batches", "1",
+    args = _fit_command(
+        root, token_cache_dir, "--data.seq_len", "64", "--data.global_batch_size", "4", "--data.val_batches", "1",
         "--checkpoint.every_n_steps", "2", "--trainer.accumulate_grad_batches", "2",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-    ]  # fmt: skip
+    )  # fmt: skip
     proc = subprocess.Popen([*args, "--trainer.max_steps", "1000"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     checkpoints = root / "checkpoints"
@@ -219,13 +222,10 @@ def test_fresh_run_into_a_folder_with_old_checkpoints_warns_and_max_steps_below_
     tmp_path, token_cache_dir
 ):
     root = tmp_path / "reuse"
-    args = [
-        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
-        "--trainer.default_root_dir", str(root), "--data.cache_dir", token_cache_dir,
-        "--data.seq_len", "32", "--data.global_batch_size", "2", "--data.val_batches", "1",
+    args = _fit_command(
+        root, token_cache_dir, "--data.seq_len", "32", "--data.global_batch_size", "2", "--data.val_batches", "1",
         "--checkpoint.every_n_steps", "1", "--trainer.val_check_interval", "1000",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-    ]  # fmt: skip
+    )  # fmt: skip
     first = subprocess.run([*args, "--trainer.max_steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     again = subprocess.run([*args, "--trainer.max_steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
