@@ -241,7 +241,10 @@ def _latest_checkpoint(folder: Path) -> Path | None:
         try:
             verify_dcp_checkpoint(path, weights_only=False)
         except (FileNotFoundError, ValueError) as err:
-            print(f"lp-lightning: skipping {str(path)!r}: {err}", file=sys.stderr)
+            if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # once, not per rank
+                reason = str(err).split("; resume from another")[0]
+                print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({reason}); trying the previous one.",
+                      file=sys.stderr)
             continue
         return path
     return None

@@ -259,7 +259,7 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     section["ckpt_path"] = "last"
     _check_launch(section)  # what `lp-lightning fit --ckpt_path last` runs while parsing
     assert section["ckpt_path"] == str(newest)
-    assert f"skipping {str(damaged)!r}" in capsys.readouterr().err
+    assert f"ckpt_path=last skips {str(damaged)!r}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["fit", *root, "--ckpt_path", str(checkpoints)])
     assert f"did you mean {str(newest)!r} (the newest checkpoint in it)" in capsys.readouterr().err

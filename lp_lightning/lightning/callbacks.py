@@ -155,9 +155,10 @@ class PeriodicCheckpoint(Checkpoint):
         """On SIGTERM (preemption), saves the last completed optimizer step if it is not on disk.
 
         Lightning raises ``SIGTERMException`` on every rank at the same batch boundary (rank 0's
-        signal is broadcast), so the collective save is safe. Mid-accumulation (some micro-batches
-        of the next step already ran) nothing is saved: their gradients are not in a checkpoint, so
-        the folder of the last completed step stays the resume point.
+        signal is forwarded and broadcast), so the collective save is safe. Mid-accumulation (some
+        micro-batches of the next step already ran) nothing is saved — a checkpoint there would
+        hold a data position inside a step whose partial gradients are lost — so the resume point
+        is the last checkpoint on disk, and the message says which step that is.
         """
         if not isinstance(exception, SIGTERMException) or not trainer.training:
             return
@@ -167,6 +168,12 @@ class PeriodicCheckpoint(Checkpoint):
         if step > 0 and step != self._last_saved_step and at_step_boundary:
             self._save(trainer)
             rank_zero_info(f"SIGTERM: saved the checkpoint of step {step} to {self.saved[-1]!r}.")
+        elif step != self._last_saved_step:
+            rank_zero_warn(
+                f"SIGTERM inside the gradient accumulation of step {step + 1}: nothing saved; the resume "
+                f"point is the last checkpoint on disk (step {self._last_saved_step}), steps after it are "
+                f"trained again."
+            )
 
     @override
     def on_train_batch_end(

@@ -195,11 +195,11 @@ class PretrainDataModule(pl.LightningDataModule):
         trainer = self.trainer
         assert self.cache is not None and trainer is not None
         accum = trainer.accumulate_grad_batches
-        if trainer.global_step > trainer.max_steps:
+        if trainer.global_step > 0 and trainer.global_step >= trainer.max_steps:
             raise ValueError(
-                f"the restored checkpoint is at step {trainer.global_step}, beyond trainer.max_steps="
-                f"{trainer.max_steps}; to train on, set --trainer.max_steps above {trainer.global_step} "
-                f"(and --model.lr_decay_steps if the schedule should stretch too)."
+                f"the restored checkpoint is at step {trainer.global_step}, not below trainer.max_steps="
+                f"{trainer.max_steps}: nothing to train. To train on, set --trainer.max_steps above "
+                f"{trainer.global_step} (and --model.lr_decay_steps if the schedule should stretch too)."
             )
         dataset = StepBatchDataset(
             self.cache,

@@ -234,4 +234,4 @@ def test_fresh_run_into_a_folder_with_old_checkpoints_warns_and_max_steps_below_
     behind = subprocess.run([*args, "--trainer.max_steps", "1", "--ckpt_path", str(root / "checkpoints" / "step-000002")],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert behind.returncode != 0
-    assert "the restored checkpoint is at step 2, beyond trainer.max_steps=1" in behind.stderr
+    assert "the restored checkpoint is at step 2, not below trainer.max_steps=1: nothing to train" in behind.stderr
