@@ -61,9 +61,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lp_lightning.config import FSDP2Config
-from lp_lightning.distributed.checkpoint import is_dcp_checkpoint, verify_dcp_checkpoint
+from lp_lightning.distributed.checkpoint import DAMAGED_CHECKPOINT_FIX, is_dcp_checkpoint, verify_dcp_checkpoint
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
-from lp_lightning.lightning.datamodule import PretrainDataModule
+from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
@@ -210,6 +210,11 @@ class LPLightningCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+def _is_rank_zero() -> bool:
+    """Whether this process is rank 0 (torchrun sets ``RANK``; Lightning's launcher ``LOCAL_RANK``)."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
 def _world_size(trainer: Namespace) -> int | None:
     """Processes the run will have: torchrun's ``WORLD_SIZE``, else ``devices x num_nodes`` (ints only)."""
     devices, num_nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
@@ -241,8 +246,8 @@ def _latest_checkpoint(folder: Path) -> Path | None:
         try:
             verify_dcp_checkpoint(path, weights_only=False)
         except (FileNotFoundError, ValueError) as err:
-            if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":  # once, not per rank
-                reason = str(err).split("; resume from another")[0]
+            if _is_rank_zero():  # once, not per rank
+                reason = str(err).removesuffix(f"; {DAMAGED_CHECKPOINT_FIX}.")
                 print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({reason}); trying the previous one.",
                       file=sys.stderr)
             continue
@@ -286,13 +291,7 @@ def _check_launch(section: Namespace) -> None:
     accumulation = trainer.get("accumulate_grad_batches") or 1
     global_batch_size = section["data"].get("global_batch_size")
     if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
-        divisor = accumulation * world_size
-        if global_batch_size % divisor:
-            raise ValueError(
-                f"data.global_batch_size={global_batch_size} must be divisible by "
-                f"trainer.accumulate_grad_batches ({accumulation}) x world size ({world_size}) = {divisor}; "
-                f"pick a multiple of {divisor}."
-            )
+        check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
 
 
 class _ParseOnlyCLI(LPLightningCLI):
@@ -337,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SIGTERMException:
         # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
         # PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.
-        if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        if _is_rank_zero():
             print(
                 "lp-lightning: training stopped early by SIGTERM. Resume with the same command plus "
                 "`--ckpt_path last` (the newest complete checkpoint under <default_root_dir>/checkpoints).",

@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 __all__ = [
+    "DAMAGED_CHECKPOINT_FIX",
     "METADATA_FILENAME",
     "checkpoint_tensor_keys",
     "is_dcp_checkpoint",
@@ -75,6 +76,9 @@ __all__ = [
 
 METADATA_FILENAME = "meta.pt"
 """Non-tensor state file inside a checkpoint folder (same name as Lightning's ``_METADATA_FILENAME``)."""
+
+DAMAGED_CHECKPOINT_FIX = "resume from another checkpoint folder (an earlier step-NNNNNN) or start without --ckpt_path"
+"""The fix that ends :func:`verify_dcp_checkpoint`'s messages about an incomplete or unreadable folder."""
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
@@ -266,7 +270,7 @@ def verify_dcp_checkpoint(
             f"{str(path)!r} is not a DCP checkpoint folder (no .metadata file); pass a folder such "
             f"as <default_root_dir>/checkpoints/step-000050."
         )
-    fix = "resume from another checkpoint folder (an earlier step-NNNNNN) or start without --ckpt_path"
+    fix = DAMAGED_CHECKPOINT_FIX
     meta_file = path / METADATA_FILENAME
     if not meta_file.is_file():
         raise ValueError(f"checkpoint {str(path)!r} has no {METADATA_FILENAME} (the loop and data state); {fix}.")

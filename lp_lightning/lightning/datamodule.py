@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lp_lightning.data import StepBatchDataset, TokenCache, ValBatchDataset, build_token_cache, num_val_batches
 
-__all__ = ["PretrainDataModule", "ResumableStepStream"]
+__all__ = ["PretrainDataModule", "ResumableStepStream", "check_batch_geometry"]
 
 
 class ResumableStepStream(IterableDataset):
@@ -90,6 +90,22 @@ class _StatefulLoader(DataLoader):
                 f"cannot resume: the checkpoint's data position (micro-batch {saved}) does not match "
                 f"the restored global step (micro-batch {self.dataset.next_index})."
             )
+
+
+def check_batch_geometry(global_batch_size: int, accumulate_grad_batches: int, world_size: int) -> None:
+    """Checks that one global batch splits into equal micro-batches on every rank.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not divisible by ``accumulate_grad_batches *
+            world_size``; the message names both settings and the multiple to pick.
+    """
+    divisor = accumulate_grad_batches * world_size
+    if global_batch_size % divisor:
+        raise ValueError(
+            f"data.global_batch_size={global_batch_size} must be divisible by "
+            f"trainer.accumulate_grad_batches ({accumulate_grad_batches}) x world size ({world_size}) = "
+            f"{divisor}; pick a multiple of {divisor}."
+        )
 
 
 class PretrainDataModule(pl.LightningDataModule):
@@ -164,13 +180,7 @@ class PretrainDataModule(pl.LightningDataModule):
             self.cache = self._build_cache()
         trainer = self.trainer
         assert trainer is not None
-        divisor = trainer.accumulate_grad_batches * trainer.world_size
-        if self.global_batch_size % divisor:
-            raise ValueError(
-                f"data.global_batch_size={self.global_batch_size} must be divisible by "
-                f"trainer.accumulate_grad_batches ({trainer.accumulate_grad_batches}) x world size "
-                f"({trainer.world_size}) = {divisor}; pick a multiple of {divisor}."
-            )
+        check_batch_geometry(self.global_batch_size, trainer.accumulate_grad_batches, trainer.world_size)
         if stage == "fit" and (trainer.max_steps is None or trainer.max_steps < 1):
             raise ValueError(
                 f"trainer.max_steps must be >= 1 (got {trainer.max_steps}): batches are indexed by "

@@ -477,7 +477,6 @@ class WireRecorder:
             split = {dtype: total}
         elif kind == "all_reduce":
             self._step_ar[dtype] += total
-            split = {dtype: total}
             if self.steps < self.trace_steps:
                 self._step_trace.append({"kind": kind, "buffer_dtype": dtype, "bytes": total})
             return
