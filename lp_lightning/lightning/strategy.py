@@ -142,10 +142,10 @@ class _FSDP2Common:
         self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)  # type: ignore[attr-defined]
         return self._device_mesh
 
-    def _record_parallelization(self, plugin: LowPrecisionFabricPlugin, record: ParallelizationRecord) -> None:
+    def _record_parallelization(self, record: ParallelizationRecord) -> None:
         """Keeps what setup did; says (rank 0) which low-precision weights stay replicated."""
         if "refresh_low_precision" in record.steps:
-            plugin.note_startup_refresh()
+            self.low_precision_plugin.note_startup_refresh()  # type: ignore[attr-defined]
         self.parallelization = record
         replicated = record.replicated_low_precision
         if replicated:
@@ -261,7 +261,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
-            self._record_parallelization(plugin, record)
+            self._record_parallelization(record)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -401,7 +401,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
         )
         assert parallel_lm is causal_lm
-        self._record_parallelization(plugin, record)
+        self._record_parallelization(record)
         return module
 
     @override
