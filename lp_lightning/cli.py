@@ -61,7 +61,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lp_lightning.config import FSDP2Config
-from lp_lightning.distributed.checkpoint import DAMAGED_CHECKPOINT_FIX, is_dcp_checkpoint, verify_dcp_checkpoint
+from lp_lightning.distributed.checkpoint import (
+    DAMAGED_CHECKPOINT_FIX,
+    METADATA_FILENAME,
+    is_dcp_checkpoint,
+    verify_dcp_checkpoint,
+)
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
@@ -236,13 +241,19 @@ def _world_size(trainer: Namespace) -> int | None:
 
 
 def _latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete ``step-NNNNNN`` folder under ``folder``.
+    """The most recently written complete ``step-NNNNNN`` folder under ``folder``.
 
     Hidden ``.partial`` folders (saves cut short) never match; a folder that fails
     :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` (e.g. a truncated shard
     file) is skipped with a note on stderr naming it and why.
     """
-    for path in sorted((p for p in folder.glob("step-*") if p.is_dir()), reverse=True):
+    def written(path: Path) -> tuple[float, str]:  # meta.pt is written last, just before the rename
+        meta = path / METADATA_FILENAME
+        return (meta.stat().st_mtime if meta.is_file() else 0.0, path.name)
+
+    # Newest *written*, not highest step: after a rerun into the same folder (warned at its start),
+    # the interrupted rerun's step-000036 must win over an earlier run's step-000040.
+    for path in sorted((p for p in folder.glob("step-*") if p.is_dir()), key=written, reverse=True):
         try:
             verify_dcp_checkpoint(path, weights_only=False)
         except (FileNotFoundError, ValueError) as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,8 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     _fake_checkpoint(checkpoints / "step-000010")
     newest = _fake_checkpoint(checkpoints / "step-000020")
     _fake_checkpoint(checkpoints / ".step-000030.partial")  # a save cut short: never picked
+    older_run = _fake_checkpoint(checkpoints / "step-000030")  # another run's higher step, written earlier
+    os.utime(older_run / "meta.pt", (1, 1))
     damaged = _fake_checkpoint(checkpoints / "step-000040")
     for shard in damaged.glob("*.distcp"):
         shard.write_bytes(b"")  # truncated after the fact: skipped, and said so
