@@ -11,11 +11,11 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   (:class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`); it maps onto
   ``LowPrecisionConfig.from_precision`` (``mxfp8`` = ``mxfp8_e4m3+mx_block``, ``hif8`` =
   ``hif8+current``). An unknown value fails while parsing, naming the choices.
-* ``--low_precision.*`` (optional; the seed §4.2 ``low_precision:`` YAML section):
+* ``--low_precision.*`` (optional; the design spec §4.2 ``low_precision:`` YAML section):
   :class:`~lp_lightning.policy.LowPrecisionConfig`. It states the same choice long-hand; an illegal
   ``format``/``scaling`` pair, or a section that disagrees with ``--precision``, fails while
   parsing (exit status 2), before any model is built.
-* ``--fsdp_config.*``: :class:`~lp_lightning.config.FSDP2Config` (seed §4.3); unsupported values
+* ``--fsdp_config.*``: :class:`~lp_lightning.config.FSDP2Config` (design spec §4.3); unsupported values
   (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built.
 * ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).

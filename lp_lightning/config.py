@@ -1,11 +1,11 @@
-"""Run-level configuration of the FSDP2 job: the ``fsdp_config`` section (seed §4.3, §15).
+"""Run-level configuration of the FSDP2 job: the ``fsdp_config`` section (design spec §4.3, §15).
 
 This module holds plain, frozen, validated dataclasses. jsonargparse builds the CLI/YAML section
 from their type hints (``lp-lightning fit --fsdp_config.reshard_after_forward false``), and every
 check runs in ``__post_init__``, i.e. while the config is parsed and before any process group,
-model or optimizer exists (seed §15: unsupported values fail at startup, naming the key).
+model or optimizer exists (design spec §15: unsupported values fail at startup, naming the key).
 
-YAML (seed §4.3, the 16B node)::
+YAML (design spec §4.3, the 16B node)::
 
     fsdp_config:
       dp_shard_size: 8
@@ -15,7 +15,7 @@ YAML (seed §4.3, the 16B node)::
 
 Only 1-D data-parallel sharding (FSDP2 over a ``("dp_shard",)`` mesh) is supported; the
 tensor/context/expert/pipeline parallel degrees exist as keys only so that a config asking for
-them fails loudly instead of being ignored (seed §15 "TP/CP/EP/PP 均为 1").
+them fails loudly instead of being ignored (design spec §15 "TP/CP/EP/PP 均为 1").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Literal
 __all__ = ["ActivationCheckpointMode", "FSDP2Config"]
 
 ActivationCheckpointMode = Literal["off", "full"]
-"""Activation recomputation per decoder layer (seed §15 "Recompute: off, full")."""
+"""Activation recomputation per decoder layer (design spec §15 "Recompute: off, full")."""
 
 _UNSUPPORTED_PARALLEL_DEGREES = (
     "tensor_parallel_size",
@@ -38,7 +38,7 @@ _UNSUPPORTED_PARALLEL_DEGREES = (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FSDP2Config:
-    """The ``fsdp_config`` section: how FSDP2 shards the model (seed §4.3, §9, §15).
+    """The ``fsdp_config`` section: how FSDP2 shards the model (design spec §4.3, §9, §15).
 
     Args:
         dp_shard_size: Number of ranks the parameters are sharded over (the size of the 1-D
@@ -49,17 +49,17 @@ class FSDP2Config:
             after each layer's forward and all-gather them again in backward (``True``, ZeRO-3
             style), or keep them until backward (``False``, ZeRO-2 style, more memory, less
             communication). Issue 4 uses it to choose which MXFP8 orientation is gathered (R7).
-        comm_fusion: Fusing FSDP collectives across layers. Unsupported (seed §15): ``True``
+        comm_fusion: Fusing FSDP collectives across layers. Unsupported (design spec §15): ``True``
             raises here.
         fallback_to_unsharded: What to do with a parameter whose local shard violates a
             low-precision format's shard rule (MXFP8: rows of a 2-D shard a multiple of 64, R7):
             ``False`` fails at startup, ``True`` keeps that parameter replicated (it still computes
             in low precision). In the ``bf16`` precision there is no such rule, every parameter is
             sharded and the flag has no effect; it is read by the low-precision sharding check.
-        tensor_parallel_size: Must be 1 (seed §15).
-        context_parallel_size: Must be 1 (seed §15).
-        expert_parallel_size: Must be 1 (seed §15).
-        pipeline_parallel_size: Must be 1 (seed §15).
+        tensor_parallel_size: Must be 1 (design spec §15).
+        context_parallel_size: Must be 1 (design spec §15).
+        expert_parallel_size: Must be 1 (design spec §15).
+        pipeline_parallel_size: Must be 1 (design spec §15).
 
     Raises:
         TypeError: A field has the wrong type (e.g. ``dp_shard_size: "8"`` or

@@ -38,7 +38,7 @@ def parse_enum(enum_cls: type[_E], value: _E | str, *, argument: str, what: str)
 
 
 class LowPrecisionFormat(str, Enum):
-    """Element format of the low-precision GEMM operands (seed §3, §4.2, §13.1)."""
+    """Element format of the low-precision GEMM operands (design spec §3, §4.2, §13.1)."""
 
     MXFP8_E4M3 = "mxfp8_e4m3"
     """OCP MX FP8: E4M3 elements with one E8M0 scale per 32-element block (OCP MX v1.0 §5)."""

@@ -1,40 +1,40 @@
-"""Format-agnostic module replacement plan: compile on the meta model, apply atomically (seed §5, §13.2; R5).
+"""Format-agnostic module replacement plan: compile on the meta model, apply atomically (design spec §5, §13.2; R5).
 
-The plan answers "which modules compute in low precision" (seed §4); *how* they compute is the
+The plan answers "which modules compute in low precision" (design spec §4); *how* they compute is the
 :class:`~lp_lightning.policy.LowPrecisionPolicy` handed to each factory. This module imports no
 low-precision type: rules name their factories by dotted path (``{"_target_": "pkg.mod.fn"}``,
-exactly as the seed YAML of §4.3) and the factories are imported only when the plan is applied.
+exactly as the design spec YAML of §4.3) and the factories are imported only when the plan is applied.
 
-Lifecycle (seed §5, §12.1 steps 2-5)::
+Lifecycle (design spec §5, §12.1 steps 2-5)::
 
     meta model (structure only) --compile_plan(model, rules, policy)--> ModuleReplacementPlan (immutable)
     ... high-precision materialisation and init (same module tree) ...
     plan.apply(model) --> every factory runs and is validated, then all are installed, or none
                       --> ReplacementReport (replaced / skipped with reason / counts per rule)
 
-Matching rules (one mechanism, STYLE.md §5 item 8):
+Matching rules (one mechanism):
 
 - ``match`` / ``exclude`` are :func:`fnmatch.fnmatchcase` globs over fully qualified module names
   (FQNs) from ``model.named_modules(remove_duplicate=False)``. ``*`` crosses dots
   (``model.layers.*.mlp.experts`` would also match ``model.layers.1.x.mlp.experts``), which is why
-  the default DeepSeek-V3 rules list every target by its full FQN (seed §1.1, §4.3).
+  the default DeepSeek-V3 rules list every target by its full FQN (design spec §1.1, §4.3).
 - A module reachable under several FQNs (aliases) is one target: it is matched if any of its FQNs
   matches, skipped if any matches an ``exclude`` glob, replaced once, and the single replacement
   is installed at every FQN.
 - ``module_type`` is an assertion, not a filter: every module a rule selects must be exactly that
   type (``exact_type=True``: ``type(module) is module_type``) or an instance of it
   (``exact_type=False``); anything else (a ``nn.Linear`` subclass, a PEFT/LoRA or custom wrapper)
-  is a ``TypeError`` naming the FQN (seed §15: unsupported modules fail, they are not replaced
+  is a ``TypeError`` naming the FQN (design spec §15: unsupported modules fail, they are not replaced
   blindly).
 - Errors at compile time: a glob of an active rule that matches no FQN (with the nearest FQNs as
   candidates), a rule that selects nothing, two rules on one module, one selected module inside
   another, a selected module that is or contains a never-replaced module (embedding, LM head,
-  MoE router, normalization, rotary embedding, core attention; seed §1.1), the root module.
+  MoE router, normalization, rotary embedding, core attention; design spec §1.1), the root module.
 - ``when: low_precision`` rules are active only when ``policy.enabled``. With ``enabled=False``
   :func:`compile_plan` returns an empty plan without scanning the model or importing anything,
-  and :meth:`ModuleReplacementPlan.apply` calls nothing (seed §4.3, §13.1).
+  and :meth:`ModuleReplacementPlan.apply` calls nothing (design spec §4.3, §13.1).
 
-Factory contract (seed §13.2): ``factory(source, *, fqn, policy) -> nn.Module`` returns a new
+Factory contract (design spec §13.2): ``factory(source, *, fqn, policy) -> nn.Module`` returns a new
 module that reuses the source's Parameter and buffer objects (no copy, no re-initialisation) and
 keeps submodule, parameter and buffer names, shapes, dtypes, devices, sharing, ``requires_grad``,
 ``training``, state_dict keys and the forward signature. It may change the module's type and add
@@ -90,7 +90,7 @@ __all__ = [
 ]
 
 ReplacementFactory = Callable[..., nn.Module]
-"""``factory(source: nn.Module, *, fqn: str, policy: LowPrecisionPolicy) -> nn.Module`` (seed §13.2)."""
+"""``factory(source: nn.Module, *, fqn: str, policy: LowPrecisionPolicy) -> nn.Module`` (design spec §13.2)."""
 
 LINEAR_FACTORY = "lp_lightning.modules.linear.replace_low_precision_linear"
 """Format-agnostic factory for exact ``nn.Linear`` targets (dense MLP, shared experts, MLA projections)."""
@@ -98,7 +98,7 @@ LINEAR_FACTORY = "lp_lightning.modules.linear.replace_low_precision_linear"
 DEEPSEEK_V3_EXPERTS_FACTORY = (
     "lp_lightning.models.deepseek_v3.experts.replace_deepseek_v3_low_precision_experts"
 )
-"""Format-agnostic factory that replaces HF ``DeepseekV3Experts`` whole (seed §5.2)."""
+"""Format-agnostic factory that replaces HF ``DeepseekV3Experts`` whole (design spec §5.2)."""
 
 DEEPSEEK_V3_EXPERTS_TYPE = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
 """Dotted path of HF's routed-experts container (stacked ``gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``)."""
@@ -112,7 +112,7 @@ NEVER_REPLACED_GLOBS: tuple[tuple[str, str], ...] = (
     ("*rotary_emb", "rotary embedding"),
     ("*.self_attn", "core attention (QK, softmax, PV)"),
 )
-"""FQN globs (with the reason) of modules that stay high precision whatever the rules say (seed §1.1).
+"""FQN globs (with the reason) of modules that stay high precision whatever the rules say (design spec §1.1).
 
 A rule that selects such a module, or a module containing one, fails at compile time. Module types
 are checked too (see ``_denied_type_reason``), so a renamed norm or router is caught as well.
@@ -133,7 +133,7 @@ _NORM_NAME = re.compile(r"Norm(\dd)?$")  # DeepseekV3RMSNorm, LlamaRMSNorm, Fuse
 
 
 class ReplacementCondition(str, Enum):
-    """When a rule is active (the ``when`` key of a rule, seed §4.3)."""
+    """When a rule is active (the ``when`` key of a rule, design spec §4.3)."""
 
     LOW_PRECISION = "low_precision"
     """Active only when the policy is enabled; with ``enabled=False`` the rule does nothing."""
@@ -181,7 +181,7 @@ def _check_dotted(path: object, *, rule: str, key: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ReplacementRule:
-    """One ``plan_overrides`` entry: which modules (FQN globs) a factory replaces (seed §4.3).
+    """One ``plan_overrides`` entry: which modules (FQN globs) a factory replaces (design spec §4.3).
 
     Args:
         name: Rule name used in errors, counts and the report (e.g. ``"mla_projections"``).
@@ -190,7 +190,7 @@ class ReplacementRule:
         module_type: The type every selected module must have: a class or its dotted import path
             (``"torch.nn.Linear"``), resolved at compile time with :mod:`importlib`.
         replace_module: The factory ``factory(source, *, fqn, policy) -> nn.Module``: a dotted
-            path, the seed's ``{"_target_": "dotted.path"}`` mapping, or a callable. Paths are
+            path, the design spec's ``{"_target_": "dotted.path"}`` mapping, or a callable. Paths are
             imported only by :meth:`ModuleReplacementPlan.apply`.
         exclude: FQN glob(s) whose modules this rule skips (reported with the glob as reason).
         exact_type: ``True``: ``type(module) is module_type`` (subclasses and wrappers fail);
@@ -254,7 +254,7 @@ class ReplacementRule:
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any], *, default_name: str) -> ReplacementRule:
-        """Build a rule from one ``plan_overrides`` YAML entry (seed §4.3 layout).
+        """Build a rule from one ``plan_overrides`` YAML entry (design spec §4.3 layout).
 
         Args:
             spec: Mapping with keys ``match``, ``module_type``, ``replace_module`` and optionally
@@ -298,7 +298,7 @@ class ReplacementRule:
         return _type_name(self.module_type)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON/YAML-ready form in the seed §4.3 layout (callables become their dotted names)."""
+        """JSON/YAML-ready form in the design spec §4.3 layout (callables become their dotted names)."""
         return {
             "name": self.name,
             "match": list(self.match),
@@ -314,7 +314,7 @@ def rules_from_config(specs: Sequence[Mapping[str, Any]] | Mapping[str, Any]) ->
     """Build rules from a ``plan_overrides`` list (or a mapping holding one under that key).
 
     Args:
-        specs: The list of rule mappings (seed §4.3), or ``{"plan_overrides": [...]}``. A rule
+        specs: The list of rule mappings (design spec §4.3), or ``{"plan_overrides": [...]}``. A rule
             without ``name`` is named ``plan_overrides[i]``.
 
     Returns:
@@ -382,7 +382,7 @@ def deepseek_v3_default_rules(
     linear_factory: str | ReplacementFactory = LINEAR_FACTORY,
     experts_factory: str | ReplacementFactory = DEEPSEEK_V3_EXPERTS_FACTORY,
 ) -> tuple[ReplacementRule, ...]:
-    """The default DeepSeek-V3 rules with every target listed by its full FQN (seed §1.1, §4.3).
+    """The default DeepSeek-V3 rules with every target listed by its full FQN (design spec §1.1, §4.3).
 
     Four rules (names are the keys of the report's counts):
 
@@ -531,7 +531,7 @@ class ReplacedModule:
 
 @dataclass(frozen=True)
 class ReplacementReport:
-    """What the plan replaced and skipped, for the run log and ``run_summary.json`` (seed §5).
+    """What the plan replaced and skipped, for the run log and ``run_summary.json`` (design spec §5).
 
     Attributes:
         policy: The policy the factories received.
@@ -683,7 +683,7 @@ def _resolve_module_type(rule: ReplacementRule) -> type:
 
 
 def _denied_type_reason(module: nn.Module) -> str | None:
-    """Why a module type is never replaced (seed §1.1), or ``None``."""
+    """Why a module type is never replaced (design spec §1.1), or ``None``."""
     if isinstance(module, nn.Embedding):
         return "embedding"
     name = type(module).__name__
@@ -706,7 +706,7 @@ def _denied_fqn_reason(fqn: str) -> str | None:
 
 
 def _check_boundary(group: _AliasGroup, rule: ReplacementRule) -> None:
-    """Fail if the selected module is, or contains, a never-replaced module (seed §1.1)."""
+    """Fail if the selected module is, or contains, a never-replaced module (design spec §1.1)."""
     primary = group.fqns[0]
     for sub_name, sub in group.module.named_modules(remove_duplicate=False):
         if sub_name:
@@ -769,10 +769,10 @@ def _zero_hit_error(rule: ReplacementRule, globs: list[str], fqns: Sequence[str]
 def compile_plan(
     model: nn.Module, rules: Iterable[ReplacementRule], policy: LowPrecisionPolicy
 ) -> ModuleReplacementPlan:
-    """Compile rules against a model's module structure into an immutable plan (seed §5).
+    """Compile rules against a model's module structure into an immutable plan (design spec §5).
 
     Reads only ``named_modules(remove_duplicate=False)`` and module types: no tensor data, no
-    kernel, no collective; meant for the meta model (seed §12.1 step 3). Factories are not
+    kernel, no collective; meant for the meta model (design spec §12.1 step 3). Factories are not
     imported (see the module docstring).
 
     Args:
@@ -1017,7 +1017,7 @@ def _add_context(exc: BaseException, note: str) -> None:
 
 @dataclass(frozen=True)
 class ModuleReplacementPlan:
-    """An immutable replacement plan: which module objects get which factory (seed §5, §13.2).
+    """An immutable replacement plan: which module objects get which factory (design spec §5, §13.2).
 
     Built by :func:`compile_plan`; it stores FQNs and types, not module references, so it can be
     applied to the materialised model (same structure) after high-precision init.
@@ -1096,7 +1096,7 @@ class ModuleReplacementPlan:
     def apply(self, model: nn.Module) -> ReplacementReport:
         """Run every factory, validate every result, then install all of them — or none.
 
-        Order (seed §5): (1) check the model has the compiled structure; (2) import each rule's
+        Order (design spec §5): (1) check the model has the compiled structure; (2) import each rule's
         factory and check its signature; (3) call each factory once per module object as
         ``factory(source, *, fqn=primary_fqn, policy=self.policy)`` and check the result against the
         factory contract (module docstring); (4) ``setattr`` the replacement on the parent at every
@@ -1106,7 +1106,7 @@ class ModuleReplacementPlan:
         and ``requires_grad``/``training`` flags are restored) and the error propagates.
 
         Args:
-            model: The model the plan was compiled for, after high-precision init (seed §12.1
+            model: The model the plan was compiled for, after high-precision init (design spec §12.1
                 step 5; any device, meta included).
 
         Returns:

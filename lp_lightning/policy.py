@@ -1,12 +1,12 @@
-"""Low-precision configuration and the read-only policy derived from it (seed §4.2, §13.1; R3).
+"""Low-precision configuration and the read-only policy derived from it (design spec §4.2, §13.1; R3).
 
-Three configs each answer one question (seed §4): the HF model config says *what model* to
+Three configs each answer one question (design spec §4): the HF model config says *what model* to
 build, :class:`LowPrecisionConfig` says *how to compute* (format and scaling algorithm) and the
 replacement plan (:mod:`lp_lightning.plan`) says *which modules* compute in low precision. This
 file holds the second one. It carries no module FQN and no format constant (format maxima such as
-HiF8's 15.0/224.0 or MXFP8's block size of 32 live in the recipe, FORMATS.md "Decisions").
+HiF8's 15.0/224.0 or MXFP8's block size of 32 live in the recipe, docs/formats.md "Decisions").
 
-Legal ``format`` + ``scaling`` pairs (seed §4.2; every other pair fails while the config is
+Legal ``format`` + ``scaling`` pairs (design spec §4.2; every other pair fails while the config is
 parsed, before any model is built):
 
 - ``mxfp8_e4m3`` + ``mx_block`` -> recipe ``mxfp8_e4m3_mx_block``: E4M3 elements, one E8M0 scale
@@ -14,11 +14,11 @@ parsed, before any model is built):
 - ``hif8`` + ``current`` -> recipe ``hif8_current``: HiFloat8 elements, one FP32 scale from the
   operand's current amax.
 
-``hif8`` + ``delayed`` (amax history) is deliberately not offered (seed §4.2: HiF8 current
+``hif8`` + ``delayed`` (amax history) is deliberately not offered (design spec §4.2: HiF8 current
 scaling always uses the current amax and exposes no safety-margin knob).
 
 This module is pure Python: importing it, building a config or a policy imports neither torch
-nor ``torch_npu`` and runs no capability check (seed §13.1: ``enabled=false`` must not import
+nor ``torch_npu`` and runs no capability check (design spec §13.1: ``enabled=false`` must not import
 ``torch_npu``). Capability checks belong to the backend that the policy later selects.
 
 Example (Trainer YAML section, parsed by jsonargparse from the type hints below)::
@@ -50,7 +50,7 @@ __all__ = [
 
 
 class ScalingAlgorithm(str, Enum):
-    """How the scale of a low-precision operand is computed (seed §4.2)."""
+    """How the scale of a low-precision operand is computed (design spec §4.2)."""
 
     MX_BLOCK = "mx_block"
     """One E8M0 power-of-two scale per 32-element block, from that block's amax."""
@@ -80,7 +80,7 @@ LEGAL_PAIRS: dict[tuple[LowPrecisionFormat, ScalingAlgorithm], RecipeName] = {
     (LowPrecisionFormat.MXFP8_E4M3, ScalingAlgorithm.MX_BLOCK): RecipeName.MXFP8_E4M3_MX_BLOCK,
     (LowPrecisionFormat.HIF8, ScalingAlgorithm.CURRENT): RecipeName.HIF8_CURRENT,
 }
-"""The only (format, scaling) pairs the config accepts, and the recipe each selects (seed §4.2)."""
+"""The only (format, scaling) pairs the config accepts, and the recipe each selects (design spec §4.2)."""
 
 _PRECISION_TO_PAIR: dict[PrecisionName, tuple[bool, LowPrecisionFormat, ScalingAlgorithm]] = {
     PrecisionName.BF16: (False, LowPrecisionFormat.MXFP8_E4M3, ScalingAlgorithm.MX_BLOCK),
@@ -138,11 +138,11 @@ class LowPrecisionConfig:
     Build it from YAML/CLI (jsonargparse reads the type hints), directly, or from the CLI's
     ``--precision`` via :meth:`from_precision`. Turn it into the read-only
     :class:`LowPrecisionPolicy` with :meth:`to_policy`; low-precision modules only ever see the
-    policy, never this config (seed §4.2).
+    policy, never this config (design spec §4.2).
 
     Args:
         enabled: Whether the replacement plan runs and selected GEMMs use low precision. ``False``
-            replaces nothing, imports no ``torch_npu`` and runs no capability check (seed §13.1).
+            replaces nothing, imports no ``torch_npu`` and runs no capability check (design spec §13.1).
         format: Element format of the GEMM operands: ``"mxfp8_e4m3"`` or ``"hif8"``.
         scaling: Scaling algorithm: ``"mx_block"`` (only with ``mxfp8_e4m3``) or ``"current"``
             (only with ``hif8``).
@@ -223,7 +223,7 @@ class LowPrecisionConfig:
         return PrecisionName.MXFP8 if self.format == LowPrecisionFormat.MXFP8_E4M3 else PrecisionName.HIF8
 
     def to_policy(self) -> LowPrecisionPolicy:
-        """Return the read-only policy handed to the replacement plan and its factories (seed §4.2)."""
+        """Return the read-only policy handed to the replacement plan and its factories (design spec §4.2)."""
         return LowPrecisionPolicy(
             enabled=self.enabled,
             format=LowPrecisionFormat(self.format),
@@ -238,7 +238,7 @@ class LowPrecisionPolicy:
     Built by :meth:`LowPrecisionConfig.to_policy`; hashable, picklable, immutable. It names the
     recipe (:attr:`recipe_name`) but carries no format constants: the recipe maps each
     quantisation role to its quantizer and owns values such as the HiF8 format maxima or the MX
-    block size (seed §7.1, §13.3).
+    block size (design spec §7.1, §13.3).
 
     Args:
         enabled: Whether low precision is on (see :class:`LowPrecisionConfig`).

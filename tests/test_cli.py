@@ -62,7 +62,7 @@ def test_16b_low_precision_configs_equal_the_bf16_baseline():
 
 
 def test_16b_mxfp8_fallback_list_is_the_shard_rule():
-    """The weights dsv3_16b_mxfp8.yaml's comment says stay replicated over 8 ranks (seed §9.1)."""
+    """The weights dsv3_16b_mxfp8.yaml's comment says stay replicated over 8 ranks (design spec §9.1)."""
     import torch
 
     from lp_lightning.formats.weight import mx_shard_rule_violation

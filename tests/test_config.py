@@ -1,4 +1,4 @@
-"""FSDP2Config (seed §4.3, §15): defaults, fail-fast keys, world-size resolution."""
+"""FSDP2Config (design spec §4.3, §15): defaults, fail-fast keys, world-size resolution."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ModuleReplacementPlan: compile on structure, atomic apply, report (seed §5, §13.2, §16.1; MISSION R5).
+"""ModuleReplacementPlan: compile on structure, atomic apply, report (design spec §5, §13.2, §16.1; requirement R5 (docs/design.md)).
 
 Factories here are test-local (the real LowPrecisionLinear / experts factories live elsewhere): an
 ``nn.Linear`` subclass built on meta that takes over the source Parameters, and a generic

@@ -1,4 +1,4 @@
-"""LowPrecisionConfig / LowPrecisionPolicy (seed §4.2, §13.1, §16.1 rows 1-3; MISSION R3)."""
+"""LowPrecisionConfig / LowPrecisionPolicy (design spec §4.2, §13.1, §16.1 rows 1-3; requirement R3 (docs/design.md))."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_legal_pairs_build_read_only_policy(fmt, scaling, recipe, enabled):
 
 
 def test_policy_carries_no_format_constants():
-    # Format maxima (15/224/448) and block sizes live in the recipe (seed §7.1, §13.3).
+    # Format maxima (15/224/448) and block sizes live in the recipe (design spec §7.1, §13.3).
     assert [f.name for f in dataclasses.fields(LowPrecisionPolicy)] == ["enabled", "format", "scaling"]
     assert [f.name for f in dataclasses.fields(LowPrecisionConfig)] == ["enabled", "format", "scaling"]
     assert set(LEGAL_PAIRS.values()) == set(RecipeName)

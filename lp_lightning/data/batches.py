@@ -1,6 +1,6 @@
 """Deterministic language-model batches: a pure function of (seed, step, micro_step, split, rank).
 
-This is the data side of MISSION R12 "same seed, same batch order" and of seed §16.6
+This is the data side of requirement R12 (docs/design.md) "same seed, same batch order" and of design spec §16.6
 ``deterministic_batch(step, micro_step)``: every case (bf16 / mxfp8 / hif8_current), every rank
 count and every resumed run sees the same tokens for the same ``(step, micro_step)``.
 

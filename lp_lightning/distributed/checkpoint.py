@@ -27,7 +27,7 @@ module (``lp_lightning.formats.weight``) exposes the plain FP32 master shard und
 so the checkpoint holds no tensor subclass and no derived data/scale, loads with
 ``weights_only=True``, into a plain HF ``DeepseekV3ForCausalLM`` (``dcp.load`` without a process
 group) and into a run of any precision. Loading copies into the master in place; the strategies then
-rebuild the 8-bit storage from it once (``LowPrecisionFabricPlugin.rebuild_after_load``, seed §11).
+rebuild the 8-bit storage from it once (``LowPrecisionFabricPlugin.rebuild_after_load``, design spec §11).
 
 Writing is atomic per folder: every rank writes into a hidden sibling ``.<name>.partial/``, rank 0
 adds ``meta.pt`` last and renames the folder into place, so a run killed while saving leaves the
@@ -197,7 +197,7 @@ def load_dcp_checkpoint(
     """Restores the model view, then each optimizer view, in place; returns ``meta.pt``.
 
     Collective: every rank must call it. The model is restored first (high-precision weights),
-    then the optimizer state (seed §11: "恢复时先恢复模型与 optimizer 高精状态").
+    then the optimizer state (design spec §11: "恢复时先恢复模型与 optimizer 高精状态").
 
     Args:
         path: A folder written by :func:`save_dcp_checkpoint`.

@@ -1,15 +1,15 @@
-"""FSDP2 parallelisation of a Hugging Face causal LM, in the build order of seed §12.1 / §14.
+"""FSDP2 parallelisation of a Hugging Face causal LM, in the build order of design spec §12.1 / §14.
 
 :func:`parallelize_causal_lm` takes the plain model that ``configure_model`` built (every rank
 holds identical weights) and applies, in this order and nowhere else:
 
 1. **precision conversion** (``convert_module``: the precision plugin's module replacement; a
    no-op for ``bf16``, the low-precision replacement plan from issue 4 on). It must see plain
-   ``nn.Linear`` / experts modules and plain Parameters, so it runs before sharding (STYLE §5.9;
+   ``nn.Linear`` / experts modules and plain Parameters, so it runs before sharding (the field's style;
    Lightning's own ``ModelParallelStrategy`` calls ``convert_module`` *after* ``configure_model``
    has sharded, Lightning issue #19989).
 2. **FP32 upcast** of every floating-point Parameter: these become the FP32 master shards that
-   AdamW updates (seed §10). Buffers keep the dtype the model builder gave them.
+   AdamW updates (design spec §10). Buffers keep the dtype the model builder gave them.
 3. **``fully_shard``** on each decoder layer ``model.model.layers[i]`` and then on the root, over
    a 1-D ``("dp_shard",)`` mesh with ``MixedPrecisionPolicy(param_dtype=bf16,
    reduce_dtype=fp32)``: the all-gathered compute copies are BF16, gradients are reduce-scattered
@@ -18,7 +18,7 @@ holds identical weights) and applies, in this order and nowhere else:
    router ``mlp.gate``) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
    routing is computed from FP32 weights exactly as in the unsharded model.
    With low-precision weights (``mxfp8``/``hif8``; the conversion finalized them with unbuilt
-   storage) the shard rules of seed §9.1 are checked first
+   storage) the shard rules of design spec §9.1 are checked first
    (:func:`~lp_lightning.distributed.fsdp_extension.plan_low_precision_sharding`): an illegal
    weight fails here naming FQN, shape, world size and rule, or, with
    ``fallback_to_unsharded=True``, its module is sharded first over the ``(W, 1)`` replicated
@@ -27,7 +27,7 @@ holds identical weights) and applies, in this order and nowhere else:
    root's included (the MXFP8 gather policy depends on it).
 4. **refresh** (low precision only): ``refresh_low_precision_weights`` builds every
    low-precision shard once from its FP32 master shard (``fully_shard`` created fresh, unbuilt
-   shards; seed §10).
+   shards; design spec §10).
 5. **activation checkpointing** per decoder layer when ``activation_checkpoint="full"``:
    ``checkpoint_wrapper(..., CheckpointImpl.NO_REENTRANT)`` around the sharded layer. The wrapper
    inserts ``_checkpoint_wrapped_module`` into ``named_parameters()`` FQNs, but its state-dict hooks
@@ -121,7 +121,7 @@ def build_dp_mesh(device_type: str, dp_shard_size: int) -> DeviceMesh:
 
 
 def default_mixed_precision_policy() -> MixedPrecisionPolicy:
-    """BF16 compute copies, FP32 gradient reduction (seed §10: FP32 master and FP32 reduce).
+    """BF16 compute copies, FP32 gradient reduction (design spec §10: FP32 master and FP32 reduce).
 
     Returns:
         ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
@@ -155,7 +155,7 @@ def resolve_causal_lm(module: nn.Module) -> nn.Module:
 
 
 def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
-    """The decoder layers ``causal_lm.model.layers`` (the FSDP2 / recompute unit, seed §9)."""
+    """The decoder layers ``causal_lm.model.layers`` (the FSDP2 / recompute unit, design spec §9)."""
     layers = getattr(getattr(causal_lm, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(
@@ -173,7 +173,7 @@ def is_parallelized(module: nn.Module) -> bool:
 def upcast_parameters_to_fp32(module: nn.Module) -> int:
     """Casts every floating-point Parameter to FP32 in place (same Parameter objects).
 
-    The FP32 values become the FP32 master shards after ``fully_shard`` (seed §10). BF16 -> FP32
+    The FP32 values become the FP32 master shards after ``fully_shard`` (design spec §10). BF16 -> FP32
     is exact. Parameter identity (and so tying/sharing) is kept because only ``.data`` changes.
 
     Args:
@@ -304,7 +304,7 @@ class ParallelizationRecord:
         reduce_dtype: FSDP2 gradient reduce-scatter dtype.
         low_precision_weights: Number of low-precision weights (0 in ``bf16``).
         replicated_low_precision: ``(fqn, reason)`` of the low-precision weights kept replicated by
-            ``fallback_to_unsharded`` (seed §9.1); their modules were sharded over the ``(W, 1)``
+            ``fallback_to_unsharded`` (design spec §9.1); their modules were sharded over the ``(W, 1)``
             fallback mesh.
     """
 

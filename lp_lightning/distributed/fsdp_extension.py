@@ -1,4 +1,4 @@
-"""FSDP2 multi-storage extension of low-precision weights: shard legality, fallback, gather policy (seed §9, §13.5).
+"""FSDP2 multi-storage extension of low-precision weights: shard legality, fallback, gather policy (design spec §9, §13.5).
 
 The extension itself is the pair of methods torch's FSDP2 calls on a sharded parameter's local
 tensor, ``QuantizedWeightTensor.fsdp_pre_all_gather(mesh, outer_size, outer_stride, module,
@@ -37,7 +37,7 @@ the full low-precision storage, gradients are all-reduced over the replicate dim
 ``fully_shard`` call must come before the one of the enclosing decoder layer so the parameters
 are not also claimed by the layer's group.
 
-Order of calls for the FSDP2 owner (seed §12.1)::
+Order of calls for the FSDP2 owner (design spec §12.1)::
 
     plan.apply(model)                                    # replacement (issue 4)
     finalize_low_precision_weights(model, recipe=policy, build=False,
@@ -92,7 +92,7 @@ def check_shard_legality(
     world_size: int,
     format: LowPrecisionFormat | str,
 ) -> str | None:
-    """Whether FSDP2 dim-0 sharding over ``world_size`` ranks is legal for one weight (seed §9.1–9.2).
+    """Whether FSDP2 dim-0 sharding over ``world_size`` ranks is legal for one weight (design spec §9.1–9.2).
 
     Args:
         fqn: Parameter FQN (named in the reason).
@@ -123,7 +123,7 @@ def check_shard_legality(
 
 @dataclass(frozen=True)
 class ReplicatedWeight:
-    """A weight kept replicated by ``fallback_to_unsharded`` (seed §9.1).
+    """A weight kept replicated by ``fallback_to_unsharded`` (design spec §9.1).
 
     Attributes:
         fqn: Parameter FQN.

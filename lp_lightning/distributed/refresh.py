@@ -1,19 +1,19 @@
-"""Refresh of low-precision weight shards from their FP32 masters (seed §9.2, §10, §13.6; R7, R8).
+"""Refresh of low-precision weight shards from their FP32 masters (design spec §9.2, §10, §13.6; R7, R8).
 
 :func:`refresh_low_precision_weights` is the one entry point that rebuilds the derived
 low-precision storage of ``QuantizedWeightTensor`` parameters, plain or FSDP2-sharded
 (``DTensor`` over a ``QuantizedWeightTensor`` shard). Call it
 
-- once after ``fully_shard`` (FSDP2 creates fresh, unbuilt shards; seed §10 "FSDP 完成本地分片后,
+- once after ``fully_shard`` (FSDP2 creates fresh, unbuilt shards; design spec §10 "FSDP 完成本地分片后,
   用对应高精 shard 创建" the low-precision shard),
 - once after each *successful* ``optimizer.step()`` (never on micro-steps, ``zero_grad``,
   activation recompute, or a skipped/non-finite step — the caller decides success),
-- once after a checkpoint load has restored the masters (seed §11).
+- once after a checkpoint load has restored the masters (design spec §11).
 
 Every rank must call it with the same parameters in the same order: a HiF8 dense weight's local
 master-shard amax is MAX-reduced over its FSDP shard group first (every rank joins, also ranks
 whose shard is empty), so all ranks quantise with one scale and the all-gathered weight equals
-quantising the full master with that scale (seed §9.2). The reduction is batched: one
+quantising the full master with that scale (design spec §9.2). The reduction is batched: one
 ``all_reduce(MAX)`` per shard group per call. Non-finite local amaxes are reduced as ``+inf``
 (the scale then falls back to 1.0 on every rank, as the quantizer's rule for a non-finite amax),
 so ranks never disagree because a NaN compared differently. MXFP8 (per-block) and HiF8 grouped
@@ -79,14 +79,14 @@ def shard_group(param: torch.Tensor) -> dist.ProcessGroup | None:
 
     Args:
         param: A parameter; plain tensors and meshes whose shard dim has size 1 (replicated
-            fallback, seed §9.1) give ``None``.
+            fallback, design spec §9.1) give ``None``.
 
     Returns:
         The shard-dim process group or ``None``.
 
     Raises:
         ValueError: the DTensor is sharded over more than one mesh dimension (TP/EP are
-            unsupported, seed §15).
+            unsupported, design spec §15).
     """
     if not isinstance(param, DTensor):
         return None
@@ -121,7 +121,7 @@ def refresh_low_precision_weights(
     params: Iterable[torch.Tensor],
     master_params: Iterable[torch.Tensor] | None = None,
 ) -> RefreshReport:
-    """Rebuild every low-precision weight in ``params`` exactly once from its master (seed §13.6).
+    """Rebuild every low-precision weight in ``params`` exactly once from its master (design spec §13.6).
 
     Args:
         params: Parameters (e.g. ``model.parameters()`` or an optimizer's params); those without a

@@ -1,6 +1,6 @@
 """Numerics yardstick: error metrics of a result against a reference, and the rounding-noise band.
 
-How to read the numbers (seed 002 §8.3, 八.3): measure both implementations against a high-precision
+How to read the numbers (docs/numerics.md §8.3, 八.3): measure both implementations against a high-precision
 reference (FP32, better FP64) and compare the error with what the format allows.
 
 * Normal rounding noise: relative error between ``eps·O(1)`` and ``eps·√k`` (``eps`` the format's
@@ -58,7 +58,7 @@ class NumericsReport:
         bias: mean(err), i.e. mean signed error ``result − reference``.
         bias_over_rms: bias / RMS(err); 0.0 when err is exactly 0. Zero-mean rounding noise over
             n elements gives |bias_over_rms| ≈ 1/√n; values near ±1 mean the error is almost all
-            a systematic offset (seed 002 §8.3: a bug or an algorithmic difference, not noise).
+            a systematic offset (docs/numerics.md §8.3: a bug or an algorithmic difference, not noise).
         nonfinite: Number of NaN/±Inf elements in ``result``.
         reference_nonfinite: Number of NaN/±Inf elements in ``reference``.
     """
@@ -91,7 +91,7 @@ def _as_float64_cpu(name: str, t: object) -> torch.Tensor:
 
 
 def compare(result: torch.Tensor, reference: torch.Tensor) -> NumericsReport:
-    """Error metrics of ``result`` against ``reference`` (seed 002 §8.3; MISSION R12).
+    """Error metrics of ``result`` against ``reference`` (docs/numerics.md §8.3; requirement R12 (docs/design.md)).
 
     Args:
         result: Floating tensor, any shape, dtype and device (e.g. a low-precision GEMM output).
@@ -180,7 +180,7 @@ class RoundingBand(NamedTuple):
 
 
 def expected_rounding_error(eps: float, k: int) -> RoundingBand:
-    """The band of normal relative rounding noise for a length-``k`` reduction (seed 002 §8.3).
+    """The band of normal relative rounding noise for a length-``k`` reduction (docs/numerics.md §8.3).
 
     Rule: if an implementation's relative error against a high-precision reference lies between
     ``eps·1`` and ``eps·√k`` and is zero-mean, it is ordinary rounding noise (bitwise differences
@@ -188,7 +188,7 @@ def expected_rounding_error(eps: float, k: int) -> RoundingBand:
     a lost scale, a wrong conversion); a systematic sign (``NumericsReport.bias_over_rms`` far
     from 0) means an algorithmic difference, not rounding, even when the size is in the band. The
     band assumes random signs and no severe cancellation. Example: BF16 accumulation of a
-    k = 4096 dot product, unit roundoff u = 2^-8 → u·√k = 0.25 (seed 002 §5.1).
+    k = 4096 dot product, unit roundoff u = 2^-8 → u·√k = 0.25 (docs/numerics.md §5.1).
 
     Args:
         eps: Relative precision of the format or accumulator in question (machine epsilon

@@ -1,4 +1,4 @@
-"""Low-precision formats: codecs, quantized operands, quantizers and recipes (seed §3, §7).
+"""Low-precision formats: codecs, quantized operands, quantizers and recipes (design spec §3, §7).
 
 Codecs live in their own modules (``lp_lightning.formats.hif8``, ``lp_lightning.formats.mxfp8``);
 this package re-exports the objects the layers above use::

@@ -1,10 +1,10 @@
-"""E8M0 block scales (OCP MX v1.0 §5.4.1) and the RCEIL scale rule used by MXFP8 (FORMATS.md §2).
+"""E8M0 block scales (OCP MX v1.0 §5.4.1) and the RCEIL scale rule used by MXFP8 (docs/formats.md §2).
 
 An E8M0 byte ``c`` is an unsigned biased exponent: ``c`` in ``0..254`` encodes ``2**(c - 127)``
 (``0x00`` = 2^-127, an FP32 subnormal; ``0xFE`` = 2^127) and ``0xFF`` encodes NaN. There is no
 sign, no zero and no infinity. In torch the bytes are carried as ``torch.float8_e8m0fnu``.
 
-Scale rule **RCEIL** (binding decision in FORMATS.md; torch_npu ``npu_dynamic_mx_quant(scale_alg=1)``,
+Scale rule **RCEIL** (binding decision in docs/formats.md; torch_npu ``npu_dynamic_mx_quant(scale_alg=1)``,
 cuBLAS "UE8M0 scales", TransformerEngine): for a block with ``amax = max |x|``,
 
     S = fl32(amax / 448)                         (an FP32 division, subnormal results included)

@@ -1,12 +1,12 @@
 """HiFloat8 (HiF8) codec: FP32 → 8-bit codes with TA rounding, and codes → float.
 
-HiF8 is an 8-bit *tapered-precision* float (arXiv 2409.16626; FORMATS.md §1): a sign bit, a
+HiF8 is an 8-bit *tapered-precision* float (arXiv 2409.16626; docs/formats.md §1): a sign bit, a
 prefix-coded exponent width ("Dot"), a sign-magnitude exponent and a mantissa whose width shrinks
 as |exponent| grows — 3 bits for |E| ≤ 3, 2 bits for 4 ≤ |E| ≤ 7, 1 bit for 8 ≤ |E| ≤ 15 — plus
 7 denormal codes 2^-22 … 2^-16 with no mantissa. Off-NPU the codes are stored as ``torch.uint8``
 (on Ascend the same bytes are ``torch_npu.hifloat8``).
 
-Bit layout (MSB → LSB, FORMATS.md §1.2), ``S`` sign, ``Es`` exponent sign, ``e`` the exponent
+Bit layout (MSB → LSB, docs/formats.md §1.2), ``S`` sign, ``Es`` exponent sign, ``e`` the exponent
 magnitude's bits below its implicit leading 1, ``M`` mantissa bits::
 
     Dot    D  |E|      mantissa  byte pattern    codes/sign
@@ -17,11 +17,11 @@ magnitude's bits below its implicit leading 1, ``M`` mantissa bits::
     0001   0  0        3         S 0001 MMM      8
     0000   —  denormal 0         S 0000 MMM      8   value 2^(MMM-23), MMM = 0 is zero
 
-Specials (FORMATS.md §1.3): one zero 0x00 (−0 encodes to 0x00), one NaN 0x80, ±Inf 0x6F/0xEF,
+Specials (docs/formats.md §1.3): one zero 0x00 (−0 encodes to 0x00), one NaN 0x80, ±Inf 0x6F/0xEF,
 largest finite 0x6E = 2^15 = 32768, smallest normal 0x7E = 2^-15, smallest denormal 0x01 = 2^-22.
 The byte order is not monotonic in value; compare decoded values, never codes.
 
-Encoding (binding decision, FORMATS.md "Decisions" and §1.5): round to nearest, ties away from
+Encoding (binding decision, docs/formats.md "Decisions" and §1.5): round to nearest, ties away from
 zero ("TA", CANN ``CAST_ROUND``); NaN → 0x80; |x| ≥ 40960 (the midpoint between 32768 and the Inf
 slot's nominal 49152) → ±Inf, or ±32768 with ``saturate=True``; [2^-23, 2^-22) → 2^-22 and
 |x| < 2^-23 → 0x00. Both rules at the bottom are exactly codebook-nearest with ties away, so the
@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# Format constants (FORMATS.md §1.3).
+# Format constants (docs/formats.md §1.3).
 HIF8_MAX: float = 32768.0
 """Largest finite magnitude, code 0x6E = 2^15."""
 HIF8_MIN_NORMAL: float = 2.0**-15
@@ -80,7 +80,7 @@ HIF8_NAN_CODE: int = 0x80
 HIF8_POS_INF_CODE: int = 0x6F
 HIF8_NEG_INF_CODE: int = 0xEF
 
-# Recipe constants (FORMATS.md §1.7, "Decisions": current scaling, scale = amax / format_max).
+# Recipe constants (docs/formats.md §1.7, "Decisions": current scaling, scale = amax / format_max).
 FORMAT_MAX_INPUT_WEIGHT: float = 15.0
 """Target for amax of the input and weight roles. 15 = 1.875·2^3 is the largest HiF8 value with a
 3-bit mantissa (|E| ≤ 3), so scaling amax to 15 puts the largest activations/weights at the top of
@@ -97,7 +97,7 @@ of at least 2 bits (|E| ≤ 7): the largest gradients never fall into the 1-bit 
 
 @dataclass(frozen=True, slots=True)
 class _DotBand:
-    """One row of FORMATS.md §1.2: a prefix code and the exponent/mantissa widths it selects."""
+    """One row of docs/formats.md §1.2: a prefix code and the exponent/mantissa widths it selects."""
 
     prefix: int  # the Dot bits, right-aligned
     prefix_len: int  # number of Dot bits
@@ -164,7 +164,7 @@ def _decode_payload(payload: int) -> float:
             if (payload >> es_shift) & 1:
                 magnitude = -magnitude
         if magnitude == _MAX_EXP and mantissa == (1 << band.man_width) - 1:
-            return float("inf")  # the largest-magnitude pattern is Inf (FORMATS.md §1.3)
+            return float("inf")  # the largest-magnitude pattern is Inf (docs/formats.md §1.3)
         return 2.0**magnitude * (1.0 + mantissa / (1 << band.man_width))
     dml = payload & ((1 << (_PAYLOAD_BITS - _DML_PREFIX_LEN)) - 1)
     return 0.0 if dml == 0 else 2.0 ** (dml - _DML_EXP_OFFSET)
@@ -195,7 +195,7 @@ def _to_int32(value: int) -> int:
 
 
 def _band_constants(band: _DotBand) -> tuple[int, int, int]:
-    """``(narrowing, base, es_weight)`` of one normal band (FORMATS.md §1.2).
+    """``(narrowing, base, es_weight)`` of one normal band (docs/formats.md §1.2).
 
     With ``y = (|E| << m) | M`` (the exponent magnitude, its implicit leading 1 included,
     followed by the ``m`` mantissa bits) the 7-bit payload is ``y + base + Es * es_weight``:
@@ -299,7 +299,7 @@ def _bound_row(saturate: bool, device: torch.device) -> torch.Tensor:
 
 @fused
 def _encode_kernel(x_RC: torch.Tensor, bound_C: torch.Tensor) -> torch.Tensor:
-    """FP32 ``x_RC`` → ``uint8`` HiF8 codes with TA rounding (FORMATS.md §1.5). See ``encode``.
+    """FP32 ``x_RC`` → ``uint8`` HiF8 codes with TA rounding (docs/formats.md §1.5). See ``encode``.
 
     Branch-free integer arithmetic on the FP32 bit patterns and no table gathers, so that the
     compiled twin is a single vectorised loop (``at::vec`` on CPU). Per element, with ``E`` the
@@ -416,7 +416,7 @@ def encode(x: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
     The input is first converted to FP32 (exact for BF16/FP16/FP8/FP32). An FP64 input is
     therefore rounded twice (to FP32 with round-half-even, then to HiF8); the result can differ
     from a direct FP64 → HiF8 rounding only for values within half an FP32 ulp of a HiF8 midpoint.
-    Rules (FORMATS.md "Decisions" and §1.5): NaN → 0x80; ±0 → 0x00; |x| ≥ 40960 → ±Inf
+    Rules (docs/formats.md "Decisions" and §1.5): NaN → 0x80; ±0 → 0x00; |x| ≥ 40960 → ±Inf
     (0x6F/0xEF); [2^-23, 2^-22) → 2^-22 (0x01/0x81); |x| < 2^-23, FP32 subnormals included →
     0x00 (the sign is dropped: HiF8 has only one zero code).
 
@@ -424,7 +424,7 @@ def encode(x: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
         x: Tensor of any shape, floating dtype, on any device.
         saturate: If True, finite overflow (|x| ≥ 40960) and ±Inf map to ±32768 (0x6E/0xEE)
             instead of ±Inf; NaN still maps to 0x80. Default False (Inf on overflow, like the
-            reference codecs cited in FORMATS.md §1.5).
+            reference codecs cited in docs/formats.md §1.5).
 
     Returns:
         ``torch.uint8`` tensor of codes, same shape and device as ``x`` (contiguous).

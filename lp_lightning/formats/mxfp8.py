@@ -1,7 +1,7 @@
-"""MXFP8 codec: E4M3 elements with one E8M0 scale per 32-element block (OCP MX v1.0, seed §3/§7.2).
+"""MXFP8 codec: E4M3 elements with one E8M0 scale per 32-element block (OCP MX v1.0, design spec §3/§7.2).
 
 This is the bit-exact software model of the format that the emulated backend computes with and the
-npu backend is checked against. Binding numerics (FORMATS.md "Decisions for recipe v1" and §2):
+npu backend is checked against. Binding numerics (docs/formats.md "Decisions for recipe v1" and §2):
 
 - **Blocks.** ``orientation="row"``: 32 consecutive elements along the last dim (1×32,
   ``ScalingType.BlockWise1x32``). ``orientation="col"``: 32 consecutive elements along dim −2
@@ -33,7 +33,7 @@ col, grouped   ``[T, K]``          ``[sum_g ceil(n_g/32), K]`` rows of one group
 
 Ascend (torch_npu ``npu_dynamic_mx_quant``, QuantMatmulV5) stores *pairs* of consecutive blocks:
 row ``[..., R, ceil(Kb/2), 2]`` and col ``[..., ceil(Mb/2), N, 2]`` with an odd block count padded by
-code 0 (FORMATS.md §2). From the plain layout: row ``pad(scale, Kb→even).view(..., R, Kb/2, 2)``;
+code 0 (docs/formats.md §2). From the plain layout: row ``pad(scale, Kb→even).view(..., R, Kb/2, 2)``;
 col ``pad(scale, Mb→even).view(..., Mb/2, 2, N).transpose(-1, -2)``. That conversion belongs to the
 npu backend (``lp_lightning.ops.npu``); this module keeps the plain layout.
 
@@ -349,7 +349,7 @@ def quantize(x: torch.Tensor, *, orientation: MXOrientation) -> tuple[torch.Tens
 def quantize_dual(
     x: torch.Tensor,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Quantize into both orientations (a persistent MXFP8 weight keeps both, seed §7.2).
+    """Quantize into both orientations (a persistent MXFP8 weight keeps both, design spec §7.2).
 
     Bit-identical to ``(quantize(x, orientation="row"), quantize(x, orientation="col"))``. When
     ``x`` is contiguous with both trailing dims multiples of 32 (every weight in the recipe), both

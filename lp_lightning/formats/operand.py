@@ -1,4 +1,4 @@
-"""``QuantizedOperand``: one low-precision GEMM input (data + scale + metadata), seed §7.4.
+"""``QuantizedOperand``: one low-precision GEMM input (data + scale + metadata), design spec §7.4.
 
 A ``QuantizedOperand`` is the short-lived thing a GEMM consumes: an activation or gradient
 quantized for one matmul, or a view of a persistent low-precision weight. It always carries the
@@ -6,7 +6,7 @@ quantized for one matmul, or a view of a persistent low-precision weight. It alw
 is said by the GEMM ``layout`` (``"NN"``/``"NT"``/``"TN"``, see ``lp_lightning.ops``), never by
 reshaping the data.
 
-Two formats (MISSION R1, FORMATS.md "Decisions for recipe v1"):
+Two formats (requirement R1 (docs/design.md), docs/formats.md "Decisions for recipe v1"):
 
 - ``MXFP8_E4M3``: ``data`` is ``torch.float8_e4m3fn`` and ``scale`` is ``torch.float8_e8m0fnu``,
   one scale per 32-element block (OCP MX v1.0). The block direction is physical:
@@ -16,7 +16,7 @@ Two formats (MISSION R1, FORMATS.md "Decisions for recipe v1"):
   ``scale`` is ``torch.float32``: a 0-d per-tensor scale for 1-D/2-D data, one scale per leading
   group ``[E]`` for 3-D grouped weights. The scale does not depend on a block direction, so one
   ``data`` serves both orientations: ``orientation`` is metadata (``with_orientation`` returns a
-  view that shares the storage, no requantisation; seed §7.3).
+  view that shares the storage, no requantisation; design spec §7.3).
 
 Scale shapes (``ceil`` = round up, ``nb(d) = ceil(d / 32)``):
 
@@ -60,14 +60,14 @@ Orientation = Literal["row", "col"]
 """``"row"``: blocks along the last dim (1×32); ``"col"``: blocks along dim −2 (32×1)."""
 
 MX_BLOCK_SIZE: int = BLOCK_SIZE
-"""Elements per MX scale block (OCP MX v1.0 §5; FORMATS.md §2); the codec's ``mxfp8.BLOCK_SIZE``."""
+"""Elements per MX scale block (OCP MX v1.0 §5; docs/formats.md §2); the codec's ``mxfp8.BLOCK_SIZE``."""
 
 _ORIENTATIONS: tuple[str, ...] = get_args(Orientation)
 
 
 class QuantizationRole(str, Enum):
-    """What a quantized tensor is for (seed §7.1). The role picks dtype and ``format_max``;
-    the orientation (row/col) picks the physical layout, and is chosen per GEMM (seed §8)."""
+    """What a quantized tensor is for (design spec §7.1). The role picks dtype and ``format_max``;
+    the orientation (row/col) picks the physical layout, and is chosen per GEMM (design spec §8)."""
 
     INPUT_FWD = "input_fwd"
     """Activation entering a forward GEMM (fprop)."""
@@ -101,7 +101,7 @@ def _num_blocks(extent: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedOperand:
-    """One quantized GEMM input (seed §7.4). Immutable; tensors are shared, never copied.
+    """One quantized GEMM input (design spec §7.4). Immutable; tensors are shared, never copied.
 
     Attributes:
         data: Element codes in the tensor's logical shape. MXFP8: ``torch.float8_e4m3fn``;
@@ -118,7 +118,7 @@ class QuantizedOperand:
             stop at group boundaries (the wgrad operands of a grouped GEMM), where it also fixes
             the scale's first dim ``sum_g ceil(n_g/32)``; informative otherwise. Default None.
         format_max: HiF8 only: the value the operand's amax was scaled to (15.0 for input/weight
-            roles, 224.0 for gradients; FORMATS.md §1.7). None for MXFP8 (default None).
+            roles, 224.0 for gradients; docs/formats.md §1.7). None for MXFP8 (default None).
 
     Raises:
         TypeError: if a field has the wrong type or dtype.
@@ -235,7 +235,7 @@ class QuantizedOperand:
         """The same quantized values described for the other GEMM direction (HiF8 only).
 
         HiF8's scale is per tensor (or per leading group), so both orientations share ``data`` and
-        ``scale`` (seed §7.3): the result is a new descriptor over the same storage.
+        ``scale`` (design spec §7.3): the result is a new descriptor over the same storage.
 
         Args:
             orientation: ``"row"`` or ``"col"``.

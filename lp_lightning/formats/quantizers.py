@@ -1,13 +1,13 @@
-"""Quantizers: high-precision tensor → ``QuantizedOperand`` (seed §7, §13.3; MISSION R1–R2).
+"""Quantizers: high-precision tensor → ``QuantizedOperand`` (design spec §7, §13.3; requirement R1 (docs/design.md)–R2).
 
 A quantizer is immutable and holds no running state: everything it needs comes from the tensor
 it is given (MX block amax, HiF8 current amax). It never traverses a model, runs a collective or
-touches an optimizer (seed §13.3).
+touches an optimizer (design spec §13.3).
 
 - ``MXFP8Quantizer`` — stateless. E4M3 elements, one E8M0 scale per 32-element block, scale rule
-  RCEIL (FORMATS.md "Decisions"); ``orientation`` picks the block direction (row: along the last
+  RCEIL (docs/formats.md "Decisions"); ``orientation`` picks the block direction (row: along the last
   dim, col: along dim −2), ``group_list`` keeps col blocks inside each group (grouped wgrad).
-- ``HiF8Quantizer(format_max)`` — current scaling (FORMATS.md "Decisions", §1.7):
+- ``HiF8Quantizer(format_max)`` — current scaling (docs/formats.md "Decisions", §1.7):
   ``scale = amax / format_max`` in FP32 when amax is finite and > 0, else 1.0;
   ``data = hif8.encode(x / scale)`` with ``x / scale`` computed in FP32 (the input is converted
   to FP32 first, then divided — a division, not a multiply by a rounded reciprocal, as the NPU's
@@ -20,7 +20,7 @@ MXFP8 quantizer calls torch_npu's ``npu_dynamic_mx_quant`` family with ``scale_a
 everywhere else — and for HiF8 on every backend — the portable torch codecs in
 ``lp_lightning.formats.mxfp8`` / ``hif8`` produce the bits (HiF8 stays portable because
 ``npu_dynamic_quant``'s rounding, overflow and zero-amax behaviour are open questions 2 and 4 of
-FORMATS.md; the portable encoder is bit-exact to the binding decision on any device).
+docs/formats.md; the portable encoder is bit-exact to the binding decision on any device).
 
 Tensor-name legend: ``x`` the input (any floating dtype), ``x32`` its FP32 copy, ``amax`` /
 ``amax_E`` per-tensor / per-group max |x|, ``scale`` / ``scale_E`` the FP32 scales.
@@ -43,7 +43,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @runtime_checkable
 class Quantizer(Protocol):
-    """How one role's tensors become a ``QuantizedOperand`` (seed §13.3)."""
+    """How one role's tensors become a ``QuantizedOperand`` (design spec §13.3)."""
 
     format: LowPrecisionFormat
 
@@ -58,7 +58,7 @@ class Quantizer(Protocol):
 
         Args:
             tensor: High-precision tensor (float32/bfloat16/float16).
-            orientation: ``"row"`` or ``"col"`` (the GEMM contract of seed §8 picks it).
+            orientation: ``"row"`` or ``"col"`` (the GEMM contract of design spec §8 picks it).
             group_list: Optional ``int64 [G]`` per-group row counts of a token-sorted 2-D tensor.
 
         Returns:
@@ -165,7 +165,7 @@ class MXFP8Quantizer:
         )
 
     def quantize_dual(self, tensor: torch.Tensor) -> tuple[QuantizedOperand, QuantizedOperand]:
-        """Quantize once into both orientations (a persistent weight keeps both, seed §7.2).
+        """Quantize once into both orientations (a persistent weight keeps both, design spec §7.2).
 
         Bit-identical to ``quantize(tensor, orientation="row")`` and ``(..., "col")``; on the npu
         backend it is one ``npu_dynamic_mx_quant_with_dual_axis`` call.
@@ -203,7 +203,7 @@ class HiF8Quantizer:
     """HiF8 current-scaling quantizer for one ``format_max`` (15.0 input/weight, 224.0 gradient).
 
     Attributes:
-        format_max: The value amax is scaled to (FORMATS.md §1.7). Must be finite, > 0 and at most
+        format_max: The value amax is scaled to (docs/formats.md §1.7). Must be finite, > 0 and at most
             the largest finite HiF8 value 32768. The recipe owns it; users do not configure it.
 
     Raises:
@@ -228,7 +228,7 @@ class HiF8Quantizer:
 
         NaN anywhere in a group gives NaN for that group (``torch.amax`` propagates NaN); an
         empty tensor or group gives 0. Use it to MAX-reduce amax over a process group before
-        ``quantize(..., amax=...)`` so every shard uses the same scale (MISSION R7).
+        ``quantize(..., amax=...)`` so every shard uses the same scale (requirement R7 (docs/design.md)).
 
         Args:
             tensor: float32/bfloat16/float16 tensor with 1 to 3 dims.
@@ -246,7 +246,7 @@ class HiF8Quantizer:
         return x32.abs().amax()
 
     def scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
-        """``amax / format_max`` in FP32 where that is finite and > 0, else 1.0 (FORMATS.md).
+        """``amax / format_max`` in FP32 where that is finite and > 0, else 1.0 (docs/formats.md).
 
         The "> 0" test is on the quotient, so an amax so small that ``amax / format_max``
         underflows FP32 to 0 also falls back to 1.0 (it would otherwise divide by zero).

@@ -1,4 +1,4 @@
-"""Recipes: the immutable map from ``QuantizationRole`` to ``Quantizer`` (seed §7.1, §13.3; R2).
+"""Recipes: the immutable map from ``QuantizationRole`` to ``Quantizer`` (design spec §7.1, §13.3; R2).
 
 A recipe owns every numeric constant of its format; nothing here is user configuration (seed
 §3.2: the values are part of an operator- and accuracy-validated recipe, and a contract change
@@ -23,7 +23,7 @@ of ``[256, 512] × [512, 384]``) and the floor the tests enforce: the measuremen
 rounded down to 0.5 dB. Over seeds 0–3 the Gaussian and Student-t values move by < 0.3 dB; the
 ``outliers_bulk`` values by up to 2 dB (they depend on the largest outlier), which the margin covers.
 
-*Derivation (seed 002 §3, §9: a mantissa of m bits has ε = 2^-m, unit roundoff u = ε/2).* With
+*Derivation (docs/numerics.md §3, §9: a mantissa of m bits has ε = 2^-m, unit roundoff u = ε/2).* With
 round-to-nearest, a value x = 2^e·μ (μ ∈ [1, 2)) gets an error uniform in ±2^(e−m)/2, of variance
 2^(2e)·ε²/12, independent of μ; its signal power is 2^(2e)·μ². Hence SQNR_m = 10·log10(12/ε²) +
 10·log10(E[μ²]), between 28.9 dB (all μ = 1) and 34.9 dB (μ → 2) for m = 3, and 32.2 dB for μ
@@ -40,7 +40,7 @@ measures 31.5 dB, the working value for m = 3: **≈ 31.5 dB (m = 3), 25.5 dB (m
   With heavy tails the total SQNR stays ≈ 31.5 dB because the largest values carry the power and
   keep 3 bits — but 0.1 % outliers ×100 push the amax up 100× and the *bulk* down to σ ↦ 0.04,
   into the 2-bit band (|E| 4..7): the bulk measures 26.6 dB (``outliers_bulk``), ≈ 6 dB lower, where
-  MXFP8 keeps 31.5 dB. This is the per-tensor-scale weakness seed §3.1 anticipates.
+  MXFP8 keeps 31.5 dB. This is the per-tensor-scale weakness design spec §3.1 anticipates.
 - **HiF8, format_max = 224 (gradients).** 224 = 1.75·2^7 tops the 2-bit band [16, 256): a Gaussian's
   power sits there (σ ↦ 50): ≈ 25.5 dB, 6 dB under the input/weight roles — the price of ~30 binades
   of headroom for small gradients. Heavy tails scale the bulk down into the 3-bit band and *raise*
@@ -83,7 +83,7 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class LowPrecisionRecipe:
-    """An immutable role → quantizer map for one format (seed §13.3 ``LowPrecisionRecipe``).
+    """An immutable role → quantizer map for one format (design spec §13.3 ``LowPrecisionRecipe``).
 
     Attributes:
         name: Versioned recipe name, as selected by the policy (``"mxfp8_e4m3_mx_block"``,
@@ -201,7 +201,7 @@ SqnrDistribution = Literal["gaussian", "student_t3", "outliers", "outliers_bulk"
 SqnrKey = tuple[str, str, str]
 """``(quantizer, distribution, case)``. quantizer: ``"mxfp8"``, ``"hif8_15"`` or ``"hif8_224"`` for
 ``quantize``; the recipe (``"mxfp8"``, ``"hif8"``) for the GEMM cases, whose operands get the roles
-of seed §8 (fprop INPUT_FWD × WEIGHT_FWD, dgrad GRAD_OUTPUT × WEIGHT_BWD, wgrad GRAD_OUTPUT ×
+of design spec §8 (fprop INPUT_FWD × WEIGHT_FWD, dgrad GRAD_OUTPUT × WEIGHT_BWD, wgrad GRAD_OUTPUT ×
 INPUT_BWD)."""
 
 

@@ -1,4 +1,4 @@
-"""The number-format table of seed 002 §2 (section 二), derived from bit patterns, plus E8M0 and HiF8.
+"""The number-format table of docs/numerics.md §2 (section 二), derived from bit patterns, plus E8M0 and HiF8.
 
 Seed 002 §2 lists max / min normal / min subnormal / ε for FP32, FP16, BF16, E4M3 and E5M2 from
 the formulas ``x_max = (2 − 2^-M)·2^(2^(E−1)−1)`` etc., and §9.1 (九.1) checks them by building
@@ -42,7 +42,7 @@ class FormatInfo:
         min_normal: Smallest positive value whose bit pattern is normal (not subnormal /
             denormal). Equals ``min_subnormal`` for a format without subnormals (E8M0).
         min_subnormal: Smallest positive value (a subnormal/denormal where the format has them).
-        eps: Spacing at 1.0, i.e. (smallest value > 1) − 1 (machine epsilon, seed 002 §2.1).
+        eps: Spacing at 1.0, i.e. (smallest value > 1) − 1 (machine epsilon, docs/numerics.md §2.1).
             The unit roundoff of round-to-nearest is ``eps / 2``.
         binades: Number of binades [2^k, 2^(k+1)) that hold at least one positive finite
             value: ``floor(log2(max)) − floor(log2(min_subnormal)) + 1``, which is
@@ -104,7 +104,7 @@ def _torch_format(
     unsigned_P = pattern_P & ((1 << bits) - 1)
     exp_field_P = (unsigned_P >> man_bits) & ((1 << exp_bits) - 1)
     man_field_P = unsigned_P & ((1 << man_bits) - 1)
-    # IEEE-style layout: exponent field 0 with a non-zero mantissa is subnormal (seed 002 §2.1).
+    # IEEE-style layout: exponent field 0 with a non-zero mantissa is subnormal (docs/numerics.md §2.1).
     subnormal_P = (exp_field_P == 0) & (man_field_P != 0)
     return _from_patterns(name, bits, f"{sign_bits}/{exp_bits}/{man_bits}", value_P, subnormal_P)
 
@@ -134,10 +134,10 @@ def _ieee_from_widths(name: str, exp_bits: int, man_bits: int) -> FormatInfo:
 
 
 def _hif8_format() -> FormatInfo:
-    """HiF8 from the codec's decoder over all 256 codes (FORMATS.md §1.2–1.4)."""
+    """HiF8 from the codec's decoder over all 256 codes (docs/formats.md §1.2–1.4)."""
     code_P = torch.arange(256, dtype=torch.uint8)
     value_P = hif8.decode(code_P, torch.float64)
-    # Dot ``0000`` (the payload's top 4 bits zero) marks the denormals, FORMATS.md §1.2.
+    # Dot ``0000`` (the payload's top 4 bits zero) marks the denormals, docs/formats.md §1.2.
     subnormal_P = ((code_P & 0x7F) >> 3 == 0) & ((code_P & 0x07) != 0)
     layout = "1/Dot/tapered (3,2,1 mantissa bits; 0 in denormals)"
     return _from_patterns("hif8", 8, layout, value_P, subnormal_P)

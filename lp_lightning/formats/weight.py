@@ -1,6 +1,6 @@
 """Persistent low-precision weights: ``QuantizedWeightTensor`` and its FSDP2 gather.
 
-Seed §7.2–7.3, §9–§10, §13.4–13.5; MISSION R1, R7, R8.
+Seed §7.2–7.3, §9–§10, §13.4–13.5; requirement R1 (docs/design.md), R7, R8.
 
 A replaced module's weight Parameter holds a ``QuantizedWeightTensor``: a tensor with the
 parameter's *logical* shape, dtype and ``requires_grad`` that owns
@@ -11,7 +11,7 @@ parameter's *logical* shape, dtype and ``requires_grad`` that owns
 - the **derived low-precision storage**, rebuilt from the master only by
   :meth:`QuantizedWeightTensor.refresh_from_master` (called by
   ``lp_lightning.distributed.refresh.refresh_low_precision_weights`` once per successful
-  optimizer step, seed §10):
+  optimizer step, design spec §10):
 
   ============  =====================================================================
   MXFP8 (§7.2)  ``row_data``/``row_scale`` and ``col_data``/``col_scale`` (E4M3 + E8M0)
@@ -20,7 +20,7 @@ parameter's *logical* shape, dtype and ``requires_grad`` that owns
   ============  =====================================================================
 
 ``select(orientation)`` returns a ``QuantizedOperand`` *viewing* that storage (no quantisation,
-no copy). The GEMM views (seed §8, the contract of ``lp_lightning.functional``):
+no copy). The GEMM views (design spec §8, the contract of ``lp_lightning.functional``):
 
 - **dense** weight ``w_NK`` (``nn.Linear.weight``): operands are of ``[N, K]``; fprop uses
   ``"row"`` (blocks along K), dgrad ``"col"`` (blocks along N).
@@ -29,7 +29,7 @@ no copy). The GEMM views (seed §8, the contract of ``lp_lightning.functional``)
   (contiguous): fprop uses ``"col"`` (blocks along K), dgrad ``"row"`` (blocks along N).
 
 Dispatch rule (``__torch_dispatch__``; one ``@_implements`` table per class, duplicate
-registration rejected, STYLE §5.13). For a ``QuantizedWeightTensor``:
+registration rejected). For a ``QuantizedWeightTensor``:
 
 1. *Aliases of the same region* — ``detach``, ``alias``, and ``view``/``_unsafe_view``/
    ``as_strided`` that keep shape and strides (``DTensor.to_local`` is such a view) — return a
@@ -43,7 +43,7 @@ registration rejected, STYLE §5.13). For a ``QuantizedWeightTensor``:
    and storage move), ``_to_copy`` to another dtype returns the master's values as a plain tensor.
 4. ``copy_`` and every other in-place op mutating a wrapper (AdamW's ``mul_``/``addcdiv_``/
    ``lerp_`` and their ``_foreach_*_`` forms, ``nn.init`` fills) run on the master and return the
-   wrapper; the storage keeps the last refreshed bytes until the next refresh (seed §10).
+   wrapper; the storage keeps the last refreshed bytes until the next refresh (design spec §10).
    In-place ops that change metadata (``inplace_view`` tag, ``resize_``, ``set_``) raise.
 5. GEMMs on the wrapper (``mm``, ``addmm``, ``bmm``, ``linear``, ``_grouped_mm``, ...) raise
    ``TypeError``: they would be a silent high-precision GEMM; consume the weight via ``select``.
@@ -141,12 +141,12 @@ GatherPhase = Literal["forward", "backward"]
 
 _ORIENTATIONS: tuple[Orientation, ...] = ("row", "col")
 _MX_ROW_MULTIPLE = 2 * MX_BLOCK_SIZE
-"""MXFP8 shard rule (seed §9.1): local rows a multiple of 64 = two 32-row col blocks, so no col
+"""MXFP8 shard rule (design spec §9.1): local rows a multiple of 64 = two 32-row col blocks, so no col
 block crosses a shard boundary and the Ascend scale layout (pairs of blocks) stays aligned."""
 
 
 class WeightKind(str, Enum):
-    """How the GEMMs consume a weight (seed §5, §8)."""
+    """How the GEMMs consume a weight (design spec §5, §8)."""
 
     DENSE = "dense"
     """2-D ``nn.Linear`` weight ``[N, K]``; operands of ``[N, K]``."""
@@ -165,7 +165,7 @@ class WeightKind(str, Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GatherPolicy:
-    """What an FSDP2 all-gather of an MXFP8 weight must carry (seed §9.1). HiF8 ignores it.
+    """What an FSDP2 all-gather of an MXFP8 weight must carry (design spec §9.1). HiF8 ignores it.
 
     FSDP2 gives the hooks no phase argument, so the weight is told at finalize time how the
     gathered copy will be used:
@@ -186,7 +186,7 @@ class GatherPolicy:
 
     Args:
         reshard_after_forward: The FSDP2 ``reshard_after_forward`` in force for the module.
-        activation_checkpoint: ``"off"`` or ``"full"`` (seed §15).
+        activation_checkpoint: ``"off"`` or ``"full"`` (design spec §15).
 
     Raises:
         TypeError: ``reshard_after_forward`` is not a bool.
@@ -284,7 +284,7 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
 
 
 def mx_shard_rule_violation(kind: WeightKind | str, shape: tuple[int, ...], world_size: int) -> str | None:
-    """The MXFP8 shard rule of seed §9.1 for dim-0 sharding, or ``None`` when it holds.
+    """The MXFP8 shard rule of design spec §9.1 for dim-0 sharding, or ``None`` when it holds.
 
     Dense ``[M, K]``: every rank's ``M_local % 64 == 0``. Grouped ``[E, D1, D2]``: every rank's
     ``(E_local * D1) % 64 == 0``. Empty shards satisfy both. (A grouped weight sharded on dim 0
@@ -397,7 +397,7 @@ _OpHandler = Callable[[type, Any, tuple, dict], Any]
 
 
 def _implements(table: dict[Any, _OpHandler], ops: Iterable[Any]) -> Callable[[_OpHandler], _OpHandler]:
-    """Register ``fn`` for ``ops`` in ``table``; registering an op twice raises (STYLE §5.13)."""
+    """Register ``fn`` for ``ops`` in ``table``; registering an op twice raises."""
 
     def decorator(fn: _OpHandler) -> _OpHandler:
         for op in ops:
@@ -431,7 +431,7 @@ _GEMM_OPS = frozenset(
 
 
 class _LowPrecisionWeightBase(torch.Tensor):
-    """Declarations and behaviour shared by the persistent and the gathered weight (STYLE §5.12).
+    """Declarations and behaviour shared by the persistent and the gathered weight.
 
     Subclasses declare ``tensor_data_names`` (required inner tensors), ``storage_names`` (optional
     inner tensors: the low-precision storage) and ``tensor_attribute_names`` once; flatten,
@@ -543,7 +543,7 @@ class _LowPrecisionWeightBase(torch.Tensor):
     def select(self, orientation: Orientation, *args: Any) -> QuantizedOperand:  # type: ignore[override]
         """The operand of one GEMM direction: a view of the storage plus orientation metadata.
 
-        No quantisation and no copy happen here (seed §7.2–7.3): MXFP8 picks the row or col
+        No quantisation and no copy happen here (design spec §7.2–7.3): MXFP8 picks the row or col
         copy, HiF8 describes its single ``data`` for the orientation. Shapes are those of the
         GEMM view (dense ``[N, K]``; grouped ``[E, K, N]``).
 
@@ -608,7 +608,7 @@ class _LowPrecisionWeightBase(torch.Tensor):
             raise TypeError(
                 f"{func} on a {cls.__name__} would run a high-precision GEMM on the weight; low-precision "
                 "modules consume it through weight.select(orientation) and lp_lightning.ops (no silent "
-                "BF16/FP32 fallback, MISSION R6)."
+                "BF16/FP32 fallback, requirement R6 (docs/design.md))."
             )
         return cls._generic(func, args, kwargs)
 
@@ -672,7 +672,7 @@ _QWT_OPS: dict[Any, _OpHandler] = {}
 
 
 class QuantizedWeightTensor(_LowPrecisionWeightBase):
-    """A persistent low-precision weight: FP32 master plus derived storage (seed §7.2–7.3, §13.4).
+    """A persistent low-precision weight: FP32 master plus derived storage (design spec §7.2–7.3, §13.4).
 
     Build with :meth:`from_master` (or :func:`finalize_low_precision_weights` for a whole model).
     The module docstring states the dispatch rule and the FSDP2 gather schema.
@@ -797,11 +797,11 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
     def refresh_from_master(
         self, master_shard: torch.Tensor | None = None, *, amax: torch.Tensor | None = None
     ) -> None:
-        """(Re)build the low-precision storage from the master: the only way it changes (seed §10, §13.4).
+        """(Re)build the low-precision storage from the master: the only way it changes (design spec §10, §13.4).
 
         MXFP8: one dual quantisation (``quantize_dual``) of the dense weight or of the grouped
         GMM view. HiF8: current scaling of the master with the WEIGHT quantizer; a dense weight
-        may take a precomputed ``amax`` (the MAX over its FSDP group, seed §9.2), a grouped weight
+        may take a precomputed ``amax`` (the MAX over its FSDP group, design spec §9.2), a grouped weight
         uses its own per-expert amax.
 
         Args:
@@ -847,7 +847,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], GatherMetadata]:
-        """The low-precision physical tensors of this shard, as ``uint8`` slots (seed §9, §13.5).
+        """The low-precision physical tensors of this shard, as ``uint8`` slots (design spec §9, §13.5).
 
         Called by FSDP2 on the sharded local tensor before each all-gather. Only public
         arguments are read: ``mesh`` (shard-group size and rank), ``outer_size`` (full logical
@@ -1146,7 +1146,7 @@ _GATHERED_OPS: dict[Any, _OpHandler] = {}
 class GatheredWeightTensor(_LowPrecisionWeightBase):
     """The full logical weight rebuilt by ``fsdp_post_all_gather``: storage views, no master.
 
-    It lives only inside FSDP2's unshard window (seed §9.3); its storage points into the
+    It lives only inside FSDP2's unshard window (design spec §9.3); its storage points into the
     all-gather buffers FSDP2 frees at reshard and refills in place on the next gather. Use
     ``select``; compute ops raise (there are no high-precision values to compute with).
 
@@ -1374,7 +1374,7 @@ class GatherLayout:
         return (payload,)
 
     def orientations_for(self, phase: GatherPhase) -> tuple[Orientation, ...]:
-        """Orientations a gather in ``phase`` carries (seed §9.1 direction table)."""
+        """Orientations a gather in ``phase`` carries (design spec §9.1 direction table)."""
         if self.format is LowPrecisionFormat.HIF8 or self.both_orientations:
             return _ORIENTATIONS
         fprop: Orientation = "row" if self.kind is WeightKind.DENSE else "col"
@@ -1448,7 +1448,7 @@ class GatherLayout:
 
     # -- post --------------------------------------------------------------------------------
     def check_outputs(self, outputs: tuple[torch.Tensor, ...], *, fqn: str = "") -> None:
-        """Raise unless ``outputs`` match the slots in count, order, shape and dtype (seed §13.5).
+        """Raise unless ``outputs`` match the slots in count, order, shape and dtype (design spec §13.5).
 
         Raises:
             ValueError: naming the first disagreement.
@@ -1562,7 +1562,7 @@ def gather_layout(
         The :class:`GatherLayout`.
 
     Raises:
-        ValueError: an MXFP8 layout that breaks the shard rule of seed §9.1.
+        ValueError: an MXFP8 layout that breaks the shard rule of design spec §9.1.
     """
     fmt, kind = LowPrecisionFormat.parse(format), WeightKind.parse(kind)
     if fmt is LowPrecisionFormat.MXFP8_E4M3:
@@ -1661,7 +1661,7 @@ class LowPrecisionWeightRecord:
 
 
 def _plain_state_dict_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """State-dict post hook: low-precision weights appear as their plain master (seed §11)."""
+    """State-dict post hook: low-precision weights appear as their plain master (design spec §11)."""
     for name, _ in module.named_parameters(recurse=False):
         key = prefix + name
         value = state_dict.get(key)
@@ -1697,7 +1697,7 @@ def finalize_low_precision_weights(
     master_dtype: torch.dtype = torch.float32,
     build: bool = True,
 ) -> list[LowPrecisionWeightRecord]:
-    """Swap every low-precision parameter of ``module`` for a built ``QuantizedWeightTensor`` (seed §12.1 step 6).
+    """Swap every low-precision parameter of ``module`` for a built ``QuantizedWeightTensor`` (design spec §12.1 step 6).
 
     Run after the replacement plan and high-precision initialisation, before ``fully_shard``.
     Each converted parameter keeps its FQN, state-dict key, ``requires_grad`` and sharing (a
@@ -1709,10 +1709,10 @@ def finalize_low_precision_weights(
     Args:
         module: The model (or any module) after replacement.
         recipe: A ``LowPrecisionRecipe``, a format name, or a ``LowPrecisionPolicy`` (its
-            ``format``); one recipe for every weight (seed §4.2: one policy per run). A module
+            ``format``); one recipe for every weight (design spec §4.2: one policy per run). A module
             carrying its own ``recipe`` attribute must agree.
         gather_policy: FSDP2 gather policy of the MXFP8 weights (see :class:`GatherPolicy`).
-        master_dtype: dtype of the masters (default FP32, seed §10).
+        master_dtype: dtype of the masters (default FP32, design spec §10).
         build: Build the storage now (one counted refresh per weight). Pass ``False`` when
             ``fully_shard`` follows: FSDP2 replaces every parameter by fresh unbuilt shards that
             ``refresh_low_precision_weights`` builds anyway, and skipping the full-weight storage

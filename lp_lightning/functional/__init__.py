@@ -1,4 +1,4 @@
-"""Low-precision autograd functions: dense linear and grouped SwiGLU experts (seed §6, §8).
+"""Low-precision autograd functions: dense linear and grouped SwiGLU experts (design spec §6, §8).
 
 Model-agnostic: modules (``lp_lightning.modules``) and model adapters
 (``lp_lightning.models.deepseek_v3.experts``) call these with a persistent low-precision weight

@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts autograd: two grouped GEMMs per direction, all low precision (seed §6, §8).
+"""Grouped SwiGLU experts autograd: two grouped GEMMs per direction, all low precision (design spec §6, §8).
 
 ``low_precision_grouped_swiglu(x, group_list, gate_up_weight, down_weight, recipe=...)`` runs the
 routed-expert MLP over tokens already sorted by expert. It is model-agnostic: a model adapter

@@ -1,4 +1,4 @@
-"""Dense low-precision linear autograd: fprop, dgrad and wgrad all on quantized operands (seed §8).
+"""Dense low-precision linear autograd: fprop, dgrad and wgrad all on quantized operands (design spec §8).
 
 ``low_precision_linear(input, weight, bias, recipe=...)`` is ``F.linear`` whose three GEMMs run
 through ``lp_lightning.ops.low_precision_matmul`` with the operand roles and orientations of seed
@@ -11,12 +11,12 @@ through ``lp_lightning.ops.low_precision_matmul`` with the operand roles and ori
 There is no high-precision GEMM on any path: an operand that cannot be quantized, or a backend
 that cannot run, raises.
 
-The weight. ``weight`` is the module's persistent low-precision weight tensor (MISSION R1, seed
+The weight. ``weight`` is the module's persistent low-precision weight tensor (requirement R1 (docs/design.md), seed
 §7.2–7.3): a tensor of the logical parameter shape ``[N, K]`` whose ``select(orientation)``
 returns a ``QuantizedOperand`` in the GEMM view, as a lookup, never a requantisation (a
 ``QuantizedWeightTensor`` from ``lp_lightning.formats.weight``, or what its FSDP2
 ``fsdp_post_all_gather`` returned). This function never quantizes the weight: the operand the
-GEMM uses was derived from the FP32 master once per optimizer step (seed §8.1–8.2). It is an input
+GEMM uses was derived from the FP32 master once per optimizer step (design spec §8.1–8.2). It is an input
 of the autograd function, so autograd returns its gradient — a plain tensor of the parameter's
 shape and dtype — and it is saved for backward as a tensor, with ``select`` called again there:
 no weight operand is kept alive from forward to backward (FSDP2 frees the unsharded weight after
@@ -28,7 +28,7 @@ It is quantized in forward and saved instead of the high-precision input: 1 byte
 one E8M0 per 32 (MXFP8) or a 0-d FP32 scale (HiF8), against 2 bytes per element for a BF16 input
 (TransformerEngine saves its columnwise cast the same way). For HiF8 the ``INPUT_FWD`` and
 ``INPUT_BWD`` quantizers are the same (amax → 15.0) and one code tensor serves both orientations
-(seed §7.3), so the saved operand is the fprop operand itself: no extra quantisation. For MXFP8
+(design spec §7.3), so the saved operand is the fprop operand itself: no extra quantisation. For MXFP8
 the col operand is a second quantisation of ``x`` (32×1 blocks differ from 1×32 blocks), paid in
 forward. Nothing is saved when no weight gradient is needed (frozen weight or ``no_grad``). All
 saved tensors go through ``ctx.save_for_backward`` so activation checkpointing's saved-tensor
@@ -78,7 +78,7 @@ def is_low_precision_weight(tensor: object) -> bool:
     """Whether ``tensor`` is a persistent low-precision weight (has ``select(orientation)``).
 
     ``torch.Tensor.select(dim, index)`` is the integer indexing op; a low-precision weight class
-    overrides it with ``select(orientation) -> QuantizedOperand`` (seed §7.2–7.3).
+    overrides it with ``select(orientation) -> QuantizedOperand`` (design spec §7.2–7.3).
 
     Args:
         tensor: Any object.
@@ -132,7 +132,7 @@ def quantize_for_gemms(
     Each distinct physical layout is quantized once. MXFP8 row and col blocks are different
     bytes, so each orientation is one quantisation. A HiF8 scale does not depend on a block
     direction, so when two requests use the same quantizer (same ``format_max``), the second is
-    the first's codes with the other orientation label (``with_orientation``, seed §7.3) —
+    the first's codes with the other orientation label (``with_orientation``, design spec §7.3) —
     bit-identical to quantizing again, because the quantizer is a pure function of the tensor.
 
     Args:

@@ -1,4 +1,4 @@
-"""``DeepSeekV3LM``: the LightningModule of the pretraining job (seed §4.1, §10, §12).
+"""``DeepSeekV3LM``: the LightningModule of the pretraining job (design spec §4.1, §10, §12).
 
 It builds the plain HF ``DeepseekV3ForCausalLM`` in ``configure_model`` (random init, seeded,
 identical on every rank) and leaves sharding, FP32 upcast and activation checkpointing to
@@ -71,7 +71,7 @@ class DeepSeekV3LM(pl.LightningModule):
         config_name_or_path: Built-in spec (``"dsv3-tiny"``, ``"dsv3-16b"``) or a local
             ``config.json`` file/folder (``lp_lightning.models.deepseek_v3.from_hf_config``).
         config_overrides: DeepseekV3Config fields applied on top of the spec/file.
-        validate_spec: Validate the built structure against the named spec (seed §4.1). Set
+        validate_spec: Validate the built structure against the named spec (design spec §4.1). Set
             ``false`` to train a deliberately modified variant of a named spec.
         seed: Seed of the model initialisation (every rank builds identical weights).
         attn_implementation: HF attention backend (``"sdpa"`` per §4.1, or ``"eager"``).
@@ -153,7 +153,7 @@ class DeepSeekV3LM(pl.LightningModule):
         """Builds the plain HF model once (idempotent), seeded, on this rank's device.
 
         Every rank gets bitwise-identical weights (same seed, same device type), in BF16 as
-        built by ``from_hf_config`` (seed §4.1 ``torch_dtype: bfloat16``); the strategy upcasts
+        built by ``from_hf_config`` (design spec §4.1 ``torch_dtype: bfloat16``); the strategy upcasts
         them to the FP32 master and shards them.
         """
         if self.model is not None:
@@ -254,7 +254,7 @@ class DeepSeekV3LM(pl.LightningModule):
         """AdamW over the sharded FP32 Parameters, stepped LambdaLR warmup + cosine.
 
         Raises:
-            ValueError: A trainable Parameter is not FP32 (seed §15: FP32 master, moments and
+            ValueError: A trainable Parameter is not FP32 (design spec §15: FP32 master, moments and
                 update; the strategy upcasts before sharding), or no decay horizon is known.
         """
         model = self._require_model()

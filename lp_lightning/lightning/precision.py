@@ -1,12 +1,12 @@
 """Precision plugins of the FSDP2 job: Fabric ``LowPrecisionFabricPlugin``, Trainer ``LowPrecisionPlugin``.
 
-The plugin owns everything precision-specific that the strategy must not hard-code (MISSION
-design card; STYLE §5.17). ``--precision`` maps onto
+The plugin owns everything precision-specific that the strategy must not hard-code (docs/design.md,
+"Lightning glue"). ``--precision`` maps onto
 :meth:`~lp_lightning.policy.LowPrecisionConfig.from_precision` (``bf16`` = low precision off,
 ``mxfp8`` = ``mxfp8_e4m3+mx_block``, ``hif8`` = ``hif8+current``); an unknown value fails in the
 constructor, naming the choices, before any model exists.
 
-Lifecycle (seed §12.1; the strategy calls these in this order, see
+Lifecycle (design spec §12.1; the strategy calls these in this order, see
 :mod:`lp_lightning.distributed.fsdp` and :mod:`lp_lightning.distributed.fsdp_extension`)::
 
     configure_sharding(reshard_after_forward=..., activation_checkpoint=...)   # strategy, first
@@ -23,7 +23,7 @@ Lifecycle (seed §12.1; the strategy calls these in this order, see
 
 In ``bf16`` nothing of this runs: ``convert_module`` returns the module untouched and imports
 neither :mod:`lp_lightning.plan`, the format layer (:mod:`lp_lightning.formats.weight`) nor
-``torch_npu``; no weight is refreshed (seed §13.1, R3).
+``torch_npu``; no weight is refreshed (design spec §13.1, R3).
 
 Skipped steps. With ``skip_nonfinite_steps=True`` (default, all precisions) the plugin runs the
 training closure itself, then computes the total gradient norm over the optimizer's parameters
@@ -36,7 +36,7 @@ micro-batch's ``training_step`` returned ``None``) is a no-op: ``optimizer.step(
 nothing is refreshed and it is not counted as applied.
 
 Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("mxfp8")]``), which
-bypasses the built-in precision strings of Lightning's connector (STYLE §5.18). There is no
+bypasses the built-in precision strings of Lightning's connector. There is no
 autocast: FSDP2's ``MixedPrecisionPolicy`` casts the gathered plain weights to BF16, the
 low-precision weights are gathered as 8-bit payloads (:mod:`lp_lightning.formats.weight`), and HF
 modules keep the activations in the weights' dtype.
@@ -82,7 +82,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         fabric = Fabric(strategy=FSDP2FabricStrategy(), plugins=[LowPrecisionFabricPlugin("mxfp8")])
 
     Args:
-        precision: ``"bf16"`` (no low-precision GEMM, the seed's baseline), ``"mxfp8"``
+        precision: ``"bf16"`` (no low-precision GEMM, the design spec's baseline), ``"mxfp8"``
             (``mxfp8_e4m3`` + ``mx_block``) or ``"hif8"`` (``hif8`` + ``current``).
         skip_nonfinite_steps: Skip ``optimizer.step()`` (and the refresh) when the total gradient
             norm is NaN/Inf; see the module docstring. ``False`` steps unconditionally.
@@ -210,7 +210,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Replace the planned modules and finalize their weights; the strategy calls it before sharding.
 
-        Steps (seed §5, §12.1): build a meta twin of ``module``'s HF config (structure only, no
+        Steps (design spec §5, §12.1): build a meta twin of ``module``'s HF config (structure only, no
         memory), ``compile_plan`` on it, ``plan.apply`` on ``module`` (atomic: all or nothing),
         then ``finalize_low_precision_weights`` (FP32 masters, gather policy of
         :meth:`configure_sharding`; storage built only when no strategy configured sharding).
@@ -260,7 +260,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.refreshes["startup"] += 1
 
     def rebuild_after_load(self, module: nn.Module) -> None:
-        """Rebuild every low-precision weight from the FP32 masters a checkpoint load restored (seed §11).
+        """Rebuild every low-precision weight from the FP32 masters a checkpoint load restored (design spec §11).
 
         Called by the strategies right after the DCP load, on every rank (HiF8 dense weights
         MAX-reduce their amax over the shard group). No-op in ``bf16``.
@@ -314,7 +314,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         """Checks the gradients, runs ``optimizer.step(**kwargs)`` and refreshes the low-precision weights.
 
         Fabric calls it after the user's ``fabric.backward``; see the module docstring for the
-        skip rules. The refresh covers every parameter of ``optimizer`` once (seed §10).
+        skip rules. The refresh covers every parameter of ``optimizer`` once (design spec §10).
 
         Returns:
             What ``optimizer.step`` returned (``None`` when the step was skipped).
@@ -335,7 +335,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores the step counters; a checkpoint of another precision resumes with a log line.
 
-        The checkpoint holds only high-precision state (FP32 masters and moments, seed §11), so a
+        The checkpoint holds only high-precision state (FP32 masters and moments, design spec §11), so a
         run written in ``mxfp8`` resumes in ``hif8`` or ``bf16`` (and back): the low-precision
         storage is rebuilt from the restored masters in this run's format.
         """

@@ -1,4 +1,4 @@
-"""Read-only probes of a training run: GEMM roles, high-precision GEMMs, refreshes, wire bytes (R12, seed §16.6).
+"""Read-only probes of a training run: GEMM roles, high-precision GEMMs, refreshes, wire bytes (R12, design spec §16.6).
 
 Each recorder observes and counts; none changes a tensor, a kernel choice or the order of any
 operation. :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` runs the cheap ones for
@@ -102,7 +102,7 @@ GEMM_ROLE_KEYS: tuple[str, ...] = (
     "grouped.dgrad",
     "grouped.wgrad",
 )
-"""The six training GEMM roles (dense|grouped × fprop|dgrad|wgrad, seed §8) as summary keys."""
+"""The six training GEMM roles (dense|grouped × fprop|dgrad|wgrad, design spec §8) as summary keys."""
 
 
 def replaced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -6,7 +6,7 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
 * process group: gloo on CPU, nccl on CUDA, hccl on NPU (one process = a 1-rank group, so 1- and
   N-process runs share the code path);
 * a 1-D ``("dp_shard",)`` device mesh of ``fsdp_config.dp_shard_size`` ranks (= world size);
-* :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of seed §12.1: the
+* :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of design spec §12.1: the
   precision plugin's ``configure_sharding`` and ``convert_module`` (replacement plan compiled on a
   meta twin and applied, low-precision weights finalized with FP32 masters) -> FP32 upcast (master
   shards) -> MXFP8 shard-legality check (``fsdp_config.fallback_to_unsharded``) -> ``fully_shard``
@@ -16,7 +16,7 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   sharded (Lightning #19989); :meth:`FSDP2Strategy.setup` replaces it so the order is explicit
   (tested in ``tests/lightning/test_strategy.py`` and ``tests/lightning/test_low_precision.py``);
 * after a checkpoint load the plugin rebuilds the low-precision weights from the restored FP32
-  masters (seed §11); each applied optimizer step refreshes them once (the plugin's
+  masters (design spec §11); each applied optimizer step refreshes them once (the plugin's
   ``optimizer_step``);
 * DCP checkpoints whose model keys are the HF names and whose optimizer view is keyed by the
   same names (:mod:`lp_lightning.distributed.checkpoint`).
@@ -171,7 +171,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
     """Trainer strategy: FSDP2 over a 1-D data-parallel mesh, HF-keyed DCP checkpoints.
 
     Args:
-        fsdp_config: Sharding configuration (seed §4.3); ``None`` means ``FSDP2Config()``.
+        fsdp_config: Sharding configuration (design spec §4.3); ``None`` means ``FSDP2Config()``.
         process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
         timeout: Process-group timeout.
     """
@@ -217,7 +217,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Parallelises the model that ``configure_model`` built, then sets up the optimizer.
 
-        Order (seed §12.1): ``precision_plugin.configure_sharding`` -> ``convert_module`` (plan
+        Order (design spec §12.1): ``precision_plugin.configure_sharding`` -> ``convert_module`` (plan
         compiled on a meta twin and applied, low-precision weights finalized) -> FP32 upcast ->
         shard-legality check -> ``fully_shard`` (replicated fallback modules, FP32 router modules,
         decoder layers, root) -> one refresh of the low-precision shards -> activation
@@ -313,7 +313,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
 
         Lightning restores loops, LR schedulers, callbacks, datamodule and plugin state from the
         returned dict (``lightning_restore_optimizer`` is ``False``: the optimizer is restored here).
-        Then the low-precision weights are rebuilt once from the restored FP32 masters (seed §11;
+        Then the low-precision weights are rebuilt once from the restored FP32 masters (design spec §11;
         the checkpoint holds no derived data, so it may come from another precision).
         """
         path = Path(self.broadcast(checkpoint_path))

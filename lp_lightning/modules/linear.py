@@ -1,4 +1,4 @@
-"""``LowPrecisionLinear``: an ``nn.Linear`` whose three GEMMs run in MXFP8 or HiF8 (seed §5.1, §8).
+"""``LowPrecisionLinear``: an ``nn.Linear`` whose three GEMMs run in MXFP8 or HiF8 (design spec §5.1, §8).
 
 ``replace_low_precision_linear(source, fqn=..., policy=...)`` is the replacement-plan factory for
 exact ``nn.Linear`` targets (MLA projections, the dense MLP, shared experts; see
@@ -16,7 +16,7 @@ exact ``nn.Linear`` targets (MLA projections, the dense MLP, shared experts; see
 The weight the GEMMs read is the persistent low-precision weight derived from the FP32 master
 (``lp_lightning.formats.weight.finalize_low_precision_weights``, which finds it through the class
 attributes ``low_precision_weight_names``/``low_precision_weight_kind``), installed once after the
-plan is applied (seed §7.2–7.3); until then ``forward`` raises ``TypeError`` naming the module's
+plan is applied (design spec §7.2–7.3); until then ``forward`` raises ``TypeError`` naming the module's
 FQN — there is no high-precision fallback.
 """
 
@@ -82,7 +82,7 @@ def copy_plain_attributes(source: nn.Module, target: nn.Module) -> None:
 
 
 class LowPrecisionLinear(nn.Linear):
-    """``nn.Linear`` with fprop, dgrad and wgrad as MXFP8 or HiF8 GEMMs (seed §8).
+    """``nn.Linear`` with fprop, dgrad and wgrad as MXFP8 or HiF8 GEMMs (design spec §8).
 
     Build it with ``replace_low_precision_linear`` (direct construction is not supported: the
     module always takes over an existing ``nn.Linear``'s parameters).

@@ -1,4 +1,4 @@
-"""Low-precision GEMMs behind one interface, with ``emulated`` and ``npu`` backends (seed §8, §13.4).
+"""Low-precision GEMMs behind one interface, with ``emulated`` and ``npu`` backends (design spec §8, §13.4).
 
 Importing this package never imports ``torch_npu``; only selecting/using the ``npu`` backend does.
 See ``lp_lightning.ops.api`` for the layout/orientation contract.

@@ -1,4 +1,4 @@
-"""The one low-precision GEMM interface, its contract checks and backend selection (seed §8, §13.4).
+"""The one low-precision GEMM interface, its contract checks and backend selection (design spec §8, §13.4).
 
 ``low_precision_matmul(left, right, layout=..., output_dtype=...)`` computes ``op(left) @ op(right)``
 and ``low_precision_grouped_matmul(left, right, group_list, ...)`` the same per group, where
@@ -25,7 +25,7 @@ a right ``N`` contracts the right's dim −2 (col), a right ``T`` its last dim (
 are in the GMM view ``[E, K, N]`` (torch_npu / ``torch._grouped_mm``); the HF parameter ``[E, N, K]``
 is its transpose. Tokens are sorted by group; ``group_list`` holds the ``int64 [E]`` row counts
 (torch_npu ``group_list_type=1``), summing to ``T``. An empty group contributes no rows (fprop,
-dgrad) and an exactly zero ``[K, N]`` slice (wgrad). This is seed §8's orientation table: forward
+dgrad) and an exactly zero ``[K, N]`` slice (wgrad). This is design spec §8's orientation table: forward
 weight row for Dense / col for Grouped, dgrad weight col for Dense / row for Grouped.
 
 Backends: ``"emulated"`` (exact decode + FP32 matmul, any torch device) and ``"npu"`` (torch_npu

@@ -1,13 +1,13 @@
-"""Capability gate for the ``npu`` backend (seed §15; MISSION R11).
+"""Capability gate for the ``npu`` backend (design spec §15; requirement R11 (docs/design.md)).
 
 ``check_npu_capability(format)`` either returns or raises ``LowPrecisionUnsupportedError`` naming
 the first missing piece, in this order:
 
 1. ``torch_npu`` is not installed → install it with ``pip install 'lp-lightning[npu]'``.
 2. ``torch_npu`` is too old: the custom dtypes ``torch_npu.float8_e8m0fnu`` (MXFP8 scales) /
-   ``torch_npu.hifloat8`` (HiF8 data) first appear in torch_npu v26.0.0 (FORMATS.md §3.1).
+   ``torch_npu.hifloat8`` (HiF8 data) first appear in torch_npu v26.0.0 (docs/formats.md §3.1).
 3. No NPU device is visible, or its SoC is not an Ascend 950 (``torch_npu.npu.get_device_name()``
-   must start with ``"Ascend950"``; any such name maps to ``SocVersion::Ascend950``, FORMATS.md
+   must start with ``"Ascend950"``; any such name maps to ``SocVersion::Ascend950``, docs/formats.md
    §3.2). MX-scaled GEMMs and HiF8 × HiF8 GEMMs exist only on the 950 (aclnnQuantMatmulV5.md).
 4. An op the format's backend calls is missing from ``torch_npu`` (list per format below).
 
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 MIN_TORCH_NPU_VERSION = "v26.0.0"
-"""First torch_npu release line with hifloat8 / float8_e8m0fnu and the A5 op signatures (FORMATS.md §3.1)."""
+"""First torch_npu release line with hifloat8 / float8_e8m0fnu and the A5 op signatures (docs/formats.md §3.1)."""
 
 SOC_PREFIX = "Ascend950"
 
@@ -56,13 +56,13 @@ REQUIRED_OPS: dict[LowPrecisionFormat, tuple[str, ...]] = {
     ),
     LowPrecisionFormat.HIF8: ("npu_quant_matmul", "npu_grouped_matmul"),
 }
-"""``torch_npu`` ops the npu backend calls per format (seed §15: quant, dual-axis quant, MM/GMM)."""
+"""``torch_npu`` ops the npu backend calls per format (design spec §15: quant, dual-axis quant, MM/GMM)."""
 
 
 class LowPrecisionUnsupportedError(RuntimeError):
     """The requested low-precision path cannot run here; the message names what is missing.
 
-    Raised instead of falling back to a BF16/FP32 GEMM (seed §15: no high-precision fallback).
+    Raised instead of falling back to a BF16/FP32 GEMM (design spec §15: no high-precision fallback).
     """
 
 

@@ -1,4 +1,4 @@
-"""The ``emulated`` backend: exact decode, FP32 matmul, one rounding (MISSION "Where it runs").
+"""The ``emulated`` backend: exact decode, FP32 matmul, one rounding (docs/design.md "Where it runs").
 
 It is the reference the ``npu`` backend is checked against and what CPU runs use. It runs on any
 torch device and is labelled ``"emulated"`` in every trace event.

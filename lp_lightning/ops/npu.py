@@ -5,7 +5,7 @@ selecting and using this backend loads it). Every argument the wrappers pass is 
 call records of the fake ``torch_npu`` in the tests pin the whole hardware contract. Any error
 raised by torch_npu propagates unchanged: there is no fallback to a high-precision GEMM.
 
-Ops and arguments (FORMATS.md §3.3; MindSpeed ``mindspeed/ops/gmm_mxfp8.py`` and
+Ops and arguments (docs/formats.md §3.3; MindSpeed ``mindspeed/ops/gmm_mxfp8.py`` and
 hicann/torchtitan-npu ``converters/kernels/quant_gmm.py`` use the same conventions):
 
 ==================  ====================================================================
@@ -27,7 +27,7 @@ MXFP8 quantize      ``npu_dynamic_mx_quant(x, axis=-1|-2, dst_type=torch.float8_
 A transposed operand is passed as a transposed *view* (``t.transpose(-2, -1)``), never a copy,
 and its NPU scale as the matching transposed view, as in the references above.
 
-Ascend 950 MX scale layout (FORMATS.md §2 "Ascend 950 MX scale layout"; ops-nn
+Ascend 950 MX scale layout (docs/formats.md §2 "Ascend 950 MX scale layout"; ops-nn
 aclnnDynamicMxQuantV3.md, aclnnQuantMatmulV5.md): the quant axis of length ``d`` becomes
 ``ceil(ceil(d/32)/2)`` rows of *pairs* of consecutive 32-blocks, with a trailing dim of 2; an odd
 block count is padded with code 0 (2^-127). For the last axis this is a plain reshape of our

@@ -1,4 +1,4 @@
-"""GEMM trace events and read-only observers (MISSION R12 kernel-trace probes; seed §16.6).
+"""GEMM trace events and read-only observers (requirement R12 (docs/design.md) kernel-trace probes; design spec §16.6).
 
 Every call of ``low_precision_matmul`` / ``low_precision_grouped_matmul`` emits one
 ``GemmTraceEvent`` after it computes its result: which backend ran it (``"emulated"`` is always
@@ -41,7 +41,7 @@ __all__ = [
 
 
 class GemmRole(str, Enum):
-    """Which of the six training GEMMs a call is (seed §8, §16.3, R12 "kernel roles")."""
+    """Which of the six training GEMMs a call is (design spec §8, §16.3, R12 "kernel roles")."""
 
     DENSE_FPROP = "dense_fprop"
     DENSE_DGRAD = "dense_dgrad"

@@ -56,7 +56,7 @@ def test_parallelize_order_layout_and_hf_keys(tiny_state, single_rank_group, act
     calls = []
 
     def convert(module: nn.Module) -> nn.Module:
-        # The conversion must see plain BF16 Parameters (seed §12.1: replace before sharding).
+        # The conversion must see plain BF16 Parameters (design spec §12.1: replace before sharding).
         calls.append({type(p) for p in module.parameters()})
         assert {p.dtype for p in module.model.layers[0].parameters()} == {torch.bfloat16}
         return module

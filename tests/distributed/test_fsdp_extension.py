@@ -1,7 +1,7 @@
-"""FSDP2 extension of low-precision weights (seed §9, §13.5, §16.4; MISSION R7).
+"""FSDP2 extension of low-precision weights (design spec §9, §13.5, §16.4; requirement R7 (docs/design.md)).
 
 Part 1 runs the hooks in one process with a simulated ``torch.cat`` all-gather (the TE
-``test_nvfp4_fsdp2_hooks`` pattern, STYLE §5.21): shards are carved exactly as FSDP2 does
+``test_nvfp4_fsdp2_hooks`` pattern): shards are carved exactly as FSDP2 does
 (``new_zeros`` of the padded shard, ``narrow(...).copy_``, ``narrow``), refreshed, passed through
 ``fsdp_pre_all_gather`` on every "rank", concatenated, and rebuilt by ``fsdp_post_all_gather``.
 Part 2 (``slow``) runs torch's real ``fully_shard`` on 2 CPU processes over gloo.
@@ -334,7 +334,7 @@ def test_set_gather_policy_reaches_plain_and_aliased_weights():
 
 # ------------------------------------------------------------------------------------------------
 # Test-only autograd functions: the contract of lp_lightning.functional (select in forward and in
-# backward, seed §8), with the GEMMs composed from dequantised operands in FP32.
+# backward, design spec §8), with the GEMMs composed from dequantised operands in FP32.
 
 
 _SEEN: list[tuple[str, torch.dtype, type]] = []

@@ -1,4 +1,4 @@
-"""Refresh of low-precision weights from their masters (seed §9.2, §10, §13.6; MISSION R7, R8).
+"""Refresh of low-precision weights from their masters (design spec §9.2, §10, §13.6; requirement R7 (docs/design.md), R8).
 
 Single process: exactly-once rebuilds, skipped plain parameters, master validation, counters,
 and that forward/backward/accumulation/select never refresh. Two processes (``slow``, gloo): the
@@ -42,7 +42,7 @@ class _Dense(nn.Module):
 
 
 class _Fn(torch.autograd.Function):
-    """Uses the weight only through select, in forward and in backward (seed §8 contract)."""
+    """Uses the weight only through select, in forward and in backward (design spec §8 contract)."""
 
     @staticmethod
     def forward(ctx, x, weight):  # noqa: ANN001, ANN205
@@ -106,7 +106,7 @@ def test_micro_steps_accumulation_and_select_never_refresh(fmt):
         optimizer.step()
         assert rec.total == 0  # the optimizer updates masters only
         for name, p in model.named_parameters():
-            if name in storage:  # storage still the pre-step bytes (seed §10: rebuilt after the step)
+            if name in storage:  # storage still the pre-step bytes (design spec §10: rebuilt after the step)
                 assert all(p.low_precision_storage[k] is v for k, v in storage[name].items())
         optimizer.zero_grad()
         refresh_low_precision_weights(model.parameters())
@@ -129,7 +129,7 @@ def test_local_weight_and_shard_group_of_plain_parameters():
 
 
 # ------------------------------------------------------------------------------------------------
-# Two processes: the HiF8 dense MAX-reduce (seed §9.2).
+# Two processes: the HiF8 dense MAX-reduce (design spec §9.2).
 
 WORLD = 2
 

@@ -118,7 +118,7 @@ def test_errors_name_the_argument():
 def test_expected_rounding_error_band():
     band = expected_rounding_error(2.0**-8, 4096)
     assert isinstance(band, RoundingBand) and isinstance(band, tuple)
-    assert band == (2.0**-8, 0.25)  # seed 002 §5.1: u·sqrt(k) = 2^-8 · 64
+    assert band == (2.0**-8, 0.25)  # docs/numerics.md §5.1: u·sqrt(k) = 2^-8 · 64
     low, high = expected_rounding_error(0.125, 1)
     assert low == high == 0.125
     for bad_eps in (0.0, -1.0, math.inf, math.nan, "0.1"):

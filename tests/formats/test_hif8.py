@@ -1,4 +1,4 @@
-"""HiF8 codec against an independent reference: FORMATS.md §1.4's code table, transcribed by hand,
+"""HiF8 codec against an independent reference: docs/formats.md §1.4's code table, transcribed by hand,
 and a codebook-nearest encoder (ties to the larger magnitude) written here in float64."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from lp_lightning.formats import hif8
 from lp_lightning.formats.hif8 import decode, encode
 
-# FORMATS.md §1.4, rows of 8 non-negative codes each (0x6F is +Inf). Typed in from the table;
+# docs/formats.md §1.4, rows of 8 non-negative codes each (0x6F is +Inf). Typed in from the table;
 # deliberately not computed from the bit layout, which is what the codec itself uses.
 P = 2.0
 INF = math.inf
@@ -54,7 +54,7 @@ assert len(TABLE_1_4) == 128
 
 
 def _reference_values() -> torch.Tensor:
-    """All 256 codes' values per FORMATS.md §1.4: negative = code | 0x80, 0x80 = NaN."""
+    """All 256 codes' values per docs/formats.md §1.4: negative = code | 0x80, 0x80 = NaN."""
     pos = torch.tensor(TABLE_1_4, dtype=torch.float64)
     neg = -pos
     neg[0] = math.nan
@@ -228,7 +228,7 @@ def test_fused_kernel_is_bitwise_equal_to_eager():
 
 
 def test_decoder_arithmetic_matches_a_parse_of_the_layout():
-    # The kernel's bit assembly against the field-by-field parse of FORMATS.md §1.2 (the code
+    # The kernel's bit assembly against the field-by-field parse of docs/formats.md §1.2 (the code
     # table test above checks both against the hand-typed §1.4 table); bit-exact incl. NaN.
     got = decode(torch.arange(256, dtype=torch.uint8))
     parsed = [hif8._decode_payload(code & 0x7F) * (-1.0 if code & 0x80 else 1.0) for code in range(256)]
@@ -260,7 +260,7 @@ def test_constants_agree_with_the_code_table():
     assert decode(torch.tensor([0x01], dtype=torch.uint8)).item() == hif8.HIF8_MIN_SUBNORMAL == 2.0**-22
     assert decode(torch.tensor([hif8.HIF8_POS_INF_CODE], dtype=torch.uint8)).item() == math.inf
     assert decode(torch.tensor([hif8.HIF8_NEG_INF_CODE], dtype=torch.uint8)).item() == -math.inf
-    # Recipe targets (FORMATS.md §1.7): 15 is the top of the 3-bit-mantissa band, 224 of the ≥2-bit band.
+    # Recipe targets (docs/formats.md §1.7): 15 is the top of the 3-bit-mantissa band, 224 of the ≥2-bit band.
     assert hif8.FORMAT_MAX_INPUT_WEIGHT == 15.0 == 1.875 * 2**3
     assert hif8.FORMAT_MAX_GRADIENT == 224.0 == 1.75 * 2**7
     assert encode(torch.tensor([15.0, 224.0])).tolist() == [0x2F, 0x4F]

@@ -5,7 +5,7 @@ quotient ``amax / 448`` as the spec defines it (an IEEE float32 division, numpy 
 the exponent rounded up with ``math``-style ``frexp`` on float64, and the elements rounded by
 ``ml_dtypes.float8_e4m3fn`` (round-half-even). Nothing in it calls ``lp_lightning``.
 
-Error bound used below (derived from the E4M3 format, seed 002 yardstick): RCEIL puts every
+Error bound used below (derived from the E4M3 format, the numerics notes (docs/numerics.md) yardstick): RCEIL puts every
 block's ``amax / scale`` in ``(224, 448]``. An element whose ``|x| / scale`` lies in E4M3's normal
 range ``[2^-6, 448]`` is rounded to 3 mantissa bits, so its error is at most half an ulp,
 ``2^(e-4)`` for ``|x|/scale`` in ``[2^e, 2^(e+1))``: relative error ``<= 2^-4``. Below ``2^-6``
@@ -191,7 +191,7 @@ def test_blocks_near_fp32_max(orientation, dtype):
 
 
 def test_rceil_codes_follow_the_ops_nn_golden_rule_near_every_binade_edge():
-    # Golden rule (FORMATS.md §2, ops-nn _mx_calculate_share_exp_nv) on S = fl32(amax/448): biased
+    # Golden rule (docs/formats.md §2, ops-nn _mx_calculate_share_exp_nv) on S = fl32(amax/448): biased
     # exponent E of S, +1 if S is normal, E < 254 and mantissa != 0, or S is subnormal and its
     # mantissa > 0.5; computed here on the bits of numpy's float32 quotient.
     exps = np.arange(0, 255, dtype=np.int64)

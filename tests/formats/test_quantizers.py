@@ -1,4 +1,4 @@
-"""Quantizers, recipes and ``QuantizedOperand`` (seed §7, §13.3, §16.2; MISSION R1–R2).
+"""Quantizers, recipes and ``QuantizedOperand`` (design spec §7, §13.3, §16.2; requirement R1 (docs/design.md)–R2).
 
 Scales are checked against hand-computed values, bits against the codecs, and the
 quantize → dequantize SQNR against the floors of ``lp_lightning.formats.recipe.SQNR_FLOORS_DB``
@@ -67,7 +67,7 @@ def test_hif8_recipe_format_max_per_role(key):
     assert recipe is HIF8_CURRENT and (recipe.name, recipe.scaling) == ("hif8_current", "current")
     expected = {R.INPUT_FWD: 15.0, R.WEIGHT_FWD: 15.0, R.INPUT_BWD: 15.0, R.WEIGHT_BWD: 15.0, R.GRAD_OUTPUT: 224.0}
     assert {role: recipe.quantizer(role).format_max for role in QuantizationRole} == expected
-    # Roles with one format_max share one immutable quantizer; the gradient has its own (seed §7.1).
+    # Roles with one format_max share one immutable quantizer; the gradient has its own (design spec §7.1).
     assert recipe.quantizer(R.INPUT_FWD) is recipe.quantizer(R.WEIGHT_BWD)
     assert recipe.quantizer(R.GRAD_OUTPUT) is not recipe.quantizer(R.INPUT_FWD)
     assert (hif8.FORMAT_MAX_INPUT_WEIGHT, hif8.FORMAT_MAX_GRADIENT) == (15.0, 224.0)

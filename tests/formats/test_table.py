@@ -1,5 +1,5 @@
-"""Format table rows (derived from bit patterns) against torch.finfo, ml_dtypes.finfo, seed 002 §2's
-formulas and FORMATS.md §1.3 for HiF8."""
+"""Format table rows (derived from bit patterns) against torch.finfo, ml_dtypes.finfo, docs/numerics.md §2's
+formulas and docs/formats.md §1.3 for HiF8."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Persistent low-precision weights (seed §7.2–7.3, §10, §11, §13.4; MISSION R1, R8, R9).
+"""Persistent low-precision weights (design spec §7.2–7.3, §10, §11, §13.4; requirement R1 (docs/design.md), R8, R9).
 
 Checks the storage against the quantizers bit for bit, that ``select`` is a view (never a
 quantisation), the dispatch rule of ``lp_lightning.formats.weight`` (aliases, fresh shards,
@@ -93,7 +93,7 @@ def test_select_is_a_view_of_the_storage_never_a_quantization(fmt, kind):
         name = f"{orientation}_data" if fmt == "mxfp8_e4m3" else "data"
         assert op.data.data_ptr() == w.low_precision_storage[name].data_ptr()
     assert total_refresh_count() == before and w.refresh_count == 1
-    if fmt == "hif8":  # one data copy serves both orientations (seed §7.3)
+    if fmt == "hif8":  # one data copy serves both orientations (design spec §7.3)
         assert w.select("row").data is w.select("col").data and w.select("row").format_max == 15.0
     else:  # the two MX copies are different bytes
         assert w.select("row").data.data_ptr() != w.select("col").data.data_ptr()
@@ -205,7 +205,7 @@ def test_adamw_updates_the_fp32_master_exactly_like_a_plain_parameter(foreach):
     for key in ("exp_avg", "exp_avg_sq"):
         assert type(state[key]) is torch.Tensor and state[key].dtype == torch.float32
         assert torch.equal(state[key], opt_plain.state[plain][key])
-    assert lp.refresh_count == 1  # the optimizer never rebuilds the storage (seed §10)
+    assert lp.refresh_count == 1  # the optimizer never rebuilds the storage (design spec §10)
 
 
 def test_clone_deepcopy_and_device_copy_keep_an_independent_built_weight():
@@ -244,7 +244,7 @@ def test_refresh_from_master_guards_its_source():
         w.refresh_from_master(w.select("row").dequantize())
     with pytest.raises(ValueError, match="only used by HiF8 dense"):
         _weight("mxfp8_e4m3", "dense").refresh_from_master(amax=torch.tensor(1.0))
-    w.refresh_from_master(amax=torch.tensor(30.0))  # a MAX-reduced amax sets the scale (seed §9.2)
+    w.refresh_from_master(amax=torch.tensor(30.0))  # a MAX-reduced amax sets the scale (design spec §9.2)
     assert float(w.select("row").scale) == 2.0
 
 
@@ -344,7 +344,7 @@ def test_finalize_keeps_fqns_keys_sharing_and_requires_grad(fmt):
     state = model.state_dict()
     assert _state_dict_summary(model) == before_keys
     for key, value in state.items():
-        assert type(value) is torch.Tensor, key  # no subclass in the model view (seed §11)
+        assert type(value) is torch.Tensor, key  # no subclass in the model view (design spec §11)
         assert torch.equal(value, before_values[key]), key
     assert model.state_dict(keep_vars=True)["proj.weight"] is model.proj.weight
 

@@ -1,4 +1,4 @@
-"""Grouped SwiGLU experts autograd (seed §6, §8; R6): shapes/dtypes, exactness against a reference
+"""Grouped SwiGLU experts autograd (design spec §6, §8; R6): shapes/dtypes, exactness against a reference
 hand-composed from the format layer, empty/one/uneven expert groups, per-GEMM SQNR floors, the six
 grouped GEMM events, SwiGLU backward, argument errors.
 

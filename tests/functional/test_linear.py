@@ -1,4 +1,4 @@
-"""Dense low-precision linear autograd (seed §8; R6): shapes/dtypes, exactness against a reference
+"""Dense low-precision linear autograd (design spec §8; R6): shapes/dtypes, exactness against a reference
 hand-composed from the format layer, per-GEMM SQNR floors against a BF16 golden, the GEMM roles in
 the trace, and argument errors.
 

@@ -1,8 +1,8 @@
 """MXFP8 / HiF8 through the Trainer in one process (1-rank gloo mesh, same code path as N ranks).
 
-- Build order (seed §12.1): plan applied -> weights finalized -> fully_shard -> refresh -> AC wrap ->
+- Build order (design spec §12.1): plan applied -> weights finalized -> fully_shard -> refresh -> AC wrap ->
   optimizer, recorded by spies on the functions themselves.
-- Refresh accounting (seed §10, R8, R10): exactly one storage build per weight per successful
+- Refresh accounting (design spec §10, R8, R10): exactly one storage build per weight per successful
   optimizer step, none on the micro-steps of gradient accumulation 4, none during the recompute of
   ``activation_checkpoint="full"``, none on a step forced non-finite (which is skipped and counted).
 - The high-precision GEMM probe: zero in replaced modules, a positive control elsewhere, and a

@@ -284,7 +284,7 @@ def test_two_process_fit_gathers_only_8bit_payloads(runs, precision):
     assert wire["low_precision_weights_gathered"] == LOW_PRECISION_WEIGHTS
     assert wire["low_precision_weights_gathered_locally"] == 0
     assert set(wire["all_gather_bytes"]) == {"uint8", "bfloat16", "float32"}  # 8-bit weights, BF16 rest, FP32 router
-    assert set(wire["reduce_scatter_bytes"]) == {"float32"}  # FP32 gradient reduce-scatter (seed §10)
+    assert set(wire["reduce_scatter_bytes"]) == {"float32"}  # FP32 gradient reduce-scatter (design spec §10)
     root = Path(summary["root"])
     for rank in (0, 1):
         trace = json.loads((root / f"wire_trace_rank{rank}.json").read_text())

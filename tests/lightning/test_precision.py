@@ -184,7 +184,7 @@ def test_state_dict_round_trip_and_cross_precision_resume():
 
 
 def test_bf16_plugin_imports_no_low_precision_module():
-    """R3 / seed §13.1: low precision off imports neither the format layer, the plan nor torch_npu."""
+    """R3 / design spec §13.1: low precision off imports neither the format layer, the plan nor torch_npu."""
     code = (
         "import sys, torch\n"
         "from lp_lightning.lightning.precision import LowPrecisionFabricPlugin\n"

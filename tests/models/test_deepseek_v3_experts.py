@@ -1,4 +1,4 @@
-"""DeepSeek-V3 routed experts in low precision (seed §5.2, §6, §8, §16.3; MISSION R5, R6, R12).
+"""DeepSeek-V3 routed experts in low precision (design spec §5.2, §6, §8, §16.3; requirement R5 (docs/design.md), R6, R12).
 
 - The factory replaces HF ``DeepseekV3Experts`` whole, reusing its Parameters, attributes and
   forward signature; HF's ``@use_experts_implementation`` dispatch cannot bypass the new forward.

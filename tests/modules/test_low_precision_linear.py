@@ -1,4 +1,4 @@
-"""``LowPrecisionLinear`` / ``replace_low_precision_linear`` (seed §5.1, §8; MISSION R5, R6): the
+"""``LowPrecisionLinear`` / ``replace_low_precision_linear`` (design spec §5.1, §8; requirement R5 (docs/design.md), R6): the
 factory reuses the source Parameters and keeps the interface, rejects what it cannot replace, and the
 forward is the dense low-precision autograd function."""
 

@@ -1,4 +1,4 @@
-"""A fake ``torch_npu`` for CPU tests of the npu backend (seed §16.2: fake operators record calls).
+"""A fake ``torch_npu`` for CPU tests of the npu backend (design spec §16.2: fake operators record calls).
 
 ``FakeTorchNpu`` is a module object to install as ``sys.modules["torch_npu"]``. Each op:
 
@@ -13,7 +13,7 @@
    the operands are rebuilt as ``QuantizedOperand``s and ``EmulatedBackend`` computes the result.
 
 The fake's numbers are the emulation's numbers, never a statement about hardware accuracy (seed
-§16.2). Capability attributes: ``hifloat8 = 290``, ``float8_e8m0fnu = 293`` (FORMATS.md §3.1),
+§16.2). Capability attributes: ``hifloat8 = 290``, ``float8_e8m0fnu = 293`` (docs/formats.md §3.1),
 ``npu.is_available()``, ``npu.get_device_name()``; any of them and any op can be left out with
 ``missing=`` to test the capability gate.
 """
@@ -82,7 +82,7 @@ def _is_transposed(t: torch.Tensor) -> bool:
 def _blocks_from_pairs(pairs_u8: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """``pairs [P, X, 2]`` → per-block ``[num_blocks, X]`` by ``out[b] = pairs[b // 2, :, b % 2]``.
 
-    Checks that the slot padding an odd block count holds code 0 (FORMATS.md §2).
+    Checks that the slot padding an odd block count holds code 0 (docs/formats.md §2).
     """
     if num_blocks % 2 and pairs_u8.shape[0]:
         pad = pairs_u8[num_blocks // 2, :, 1]
@@ -311,7 +311,7 @@ class FakeTorchNpu(types.ModuleType):
         if axis not in (-1, -2) or block_size != BLOCK:
             raise NotImplementedError("fake torch_npu: axis -1/-2 and block_size 32 only")
         data, scale = mxfp8.quantize(input, orientation="row" if axis == -1 else "col")
-        return data, pairs_along(scale.view(torch.uint8), axis)  # as uint8, like torch_npu (FORMATS.md §3.3)
+        return data, pairs_along(scale.view(torch.uint8), axis)  # as uint8, like torch_npu (docs/formats.md §3.3)
 
     @_recorded
     def _npu_dynamic_mx_quant_with_dual_axis(self, input, *, round_mode="rint", dst_type=296, scale_alg=0,

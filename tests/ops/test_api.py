@@ -1,5 +1,5 @@
 """The GEMM interface: the orientation contract, errors, backend selection and trace events
-(seed §8, §13.4, §16.2; MISSION R6, R12)."""
+(design spec §8, §13.4, §16.2; requirement R6 (docs/design.md), R12)."""
 
 from __future__ import annotations
 

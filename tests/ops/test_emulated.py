@@ -1,5 +1,5 @@
 """The emulated backend: exact against FP32 products of the dequantized operands, grouped == per-group
-dense, one output rounding, and SQNR floors vs FP64 of the unquantized operands (seed §8; R6)."""
+dense, one output rounding, and SQNR floors vs FP64 of the unquantized operands (design spec §8; R6)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The npu backend against a recording fake torch_npu: every call and argument is pinned, results
 equal the emulated backend, the capability gate names what is missing, nothing falls back
-(seed §15, §16.2; MISSION R6, R11)."""
+(design spec §15, §16.2; requirement R6 (docs/design.md), R11)."""
 
 from __future__ import annotations
 

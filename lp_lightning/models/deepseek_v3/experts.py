@@ -1,8 +1,8 @@
-"""DeepSeek-V3 routed experts in low precision: an adapter over the generic grouped SwiGLU (seed §5.2, §6).
+"""DeepSeek-V3 routed experts in low precision: an adapter over the generic grouped SwiGLU (design spec §5.2, §6).
 
 ``replace_deepseek_v3_low_precision_experts(source, fqn=..., policy=...)`` is the replacement-plan
 factory for HF transformers' ``DeepseekV3Experts`` (``model.layers.*.mlp.experts``). It replaces
-the container whole (seed §5.2: HF has no per-expert Linear to swap) and only adapts names,
+the container whole (design spec §5.2: HF has no per-expert Linear to swap) and only adapts names,
 signature and top-k aggregation; the GEMMs live in
 ``lp_lightning.functional.low_precision_grouped_swiglu``.
 
@@ -33,8 +33,8 @@ output to the activation dtype before its ``index_add_``); the output dtype is H
 ``top_k_weights`` (the router is trained). Experts with no slot get an exactly zero gradient.
 
 ``top_k_index`` values must lie in ``[0, E)``. HF's sentinel ``E`` (slots owned by another
-expert-parallel rank) never occurs here: expert parallelism > 1 is rejected at startup (MISSION
-R7), and checking the range would cost a device→host sync per layer.
+expert-parallel rank) never occurs here: expert parallelism > 1 is rejected at startup (requirement
+R7, docs/design.md), and checking the range would cost a device→host sync per layer.
 
 Tensor-name legend: ``S`` tokens, ``k`` top-k, ``T`` token slots, ``H`` hidden size, ``F``
 expert intermediate size, ``E`` experts.

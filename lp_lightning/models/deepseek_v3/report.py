@@ -1,4 +1,4 @@
-"""Structure report of a HF DeepSeek-V3 model and its analytic expectation (seed §4.1, MISSION R4).
+"""Structure report of a HF DeepSeek-V3 model and its analytic expectation (design spec §4.1, requirement R4 (docs/design.md)).
 
 Two independent sources describe the same structure:
 

@@ -1,6 +1,6 @@
 """Build HF transformers' DeepSeek-V3 from a config, randomly initialised, and validate it (§4.1, R4).
 
-Build order follows seed §12.1 steps 1, 2 and 4:
+Build order follows design spec §12.1 steps 1, 2 and 4:
 
 1. :func:`build_config` reads a DeepseekV3Config (a built-in spec name or a local ``config.json``;
    never a hub download) and applies ``config_overrides``;
@@ -68,7 +68,7 @@ class SpecName(str, Enum):
     """Built-in model specs (keys of :data:`SPECS`)."""
 
     DSV3_16B = "dsv3-16b"
-    """Frozen 16B spec of seed §4.1 (the ``config_overrides`` block there, verbatim)."""
+    """Frozen 16B spec of design spec §4.1 (the ``config_overrides`` block there, verbatim)."""
     DSV3_TINY = "dsv3-tiny"
     """CPU-sized spec of the same family (3 layers, 8 experts), every GEMM dim a multiple of 32."""
 
@@ -101,7 +101,7 @@ _DSV3_16B: Mapping[str, Any] = MappingProxyType(
 )
 
 # GEMM weights ([out, in]); all dims multiples of 32 and all out-features multiples of 128, so a
-# 2-rank row shard of every weight stays a whole number of 32-element MX blocks (FORMATS.md):
+# 2-rank row shard of every weight stays a whole number of 32-element MX blocks (docs/formats.md):
 #   q_proj 256->256 (N(Dn+Dr) = 4*64), kv_a_proj_with_mqa 256->128 (C+Dr = 96+32),
 #   kv_b_proj 96->384 (N(Dn+Dv) = 4*96), o_proj 256->256 (N*Dv = 4*64),
 #   dense mlp 256<->512, shared experts 256<->128 (S*F), experts gate_up [8,256,256], down [8,256,128].
@@ -151,7 +151,7 @@ ExpertsImplementation = Literal["eager", "grouped_mm", "batched_mm"]
 
 
 class SpecValidationError(ValueError):
-    """A built model or its config differs from the spec it must satisfy (seed §4.1).
+    """A built model or its config differs from the spec it must satisfy (design spec §4.1).
 
     Attributes:
         spec_name: The spec's name, or ``"<mapping>"`` for an anonymous spec.
@@ -254,7 +254,7 @@ def build_config(
     *,
     config_overrides: Mapping[str, Any] | None = None,
 ) -> DeepseekV3Config:
-    """Reads a DeepseekV3Config and applies overrides (seed §12.1 step 1).
+    """Reads a DeepseekV3Config and applies overrides (design spec §12.1 step 1).
 
     Args:
         config_name_or_path: A built-in spec name (key of :data:`SPECS`), or a local folder holding
@@ -382,7 +382,7 @@ def from_hf_config(
     attn_implementation: AttnImplementation = "sdpa",
     experts_implementation: ExpertsImplementation = "eager",
 ) -> DeepseekV3ForCausalLM:
-    """Builds a randomly initialised HF ``DeepseekV3ForCausalLM`` from a config (seed §4.1, §12.1).
+    """Builds a randomly initialised HF ``DeepseekV3ForCausalLM`` from a config (design spec §4.1, §12.1).
 
     No checkpoint is loaded and nothing is downloaded. The model is built on meta, materialised on
     ``device`` with ``to_empty`` and initialised by HF's own ``_init_weights`` (through
