@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
+from lp_lightning.formats.registry import format_entry, precision_names
 from lp_lightning.names import LowPrecisionFormat
 
 __all__ = [
@@ -77,16 +78,17 @@ class PrecisionName(str, Enum):
 
 
 LEGAL_PAIRS: dict[tuple[LowPrecisionFormat, ScalingAlgorithm], RecipeName] = {
-    (LowPrecisionFormat.MXFP8_E4M3, ScalingAlgorithm.MX_BLOCK): RecipeName.MXFP8_E4M3_MX_BLOCK,
-    (LowPrecisionFormat.HIF8, ScalingAlgorithm.CURRENT): RecipeName.HIF8_CURRENT,
+    (LowPrecisionFormat(entry.name), ScalingAlgorithm(entry.scaling)): RecipeName(entry.recipe)
+    for entry in precision_names().values()
 }
-"""The only (format, scaling) pairs the config accepts, and the recipe each selects (design spec §4.2)."""
+"""The only (format, scaling) pairs the config accepts, and the recipe each selects (design spec §4.2):
+those of the registered formats a ``--precision`` value selects (``lp_lightning.formats.registry``)."""
 
 _PRECISION_TO_PAIR: dict[PrecisionName, tuple[bool, LowPrecisionFormat, ScalingAlgorithm]] = {
-    PrecisionName.BF16: (False, LowPrecisionFormat.MXFP8_E4M3, ScalingAlgorithm.MX_BLOCK),
-    PrecisionName.MXFP8: (True, LowPrecisionFormat.MXFP8_E4M3, ScalingAlgorithm.MX_BLOCK),
-    PrecisionName.HIF8: (True, LowPrecisionFormat.HIF8, ScalingAlgorithm.CURRENT),
+    PrecisionName(precision): (True, LowPrecisionFormat(entry.name), ScalingAlgorithm(entry.scaling))
+    for precision, entry in precision_names().items()
 }
+_PRECISION_TO_PAIR[PrecisionName.BF16] = (False, *next(iter(LEGAL_PAIRS)))  # off: the first pair, unused
 
 
 def _legal_pairs_text() -> str:
@@ -119,10 +121,7 @@ def _validate(
         ) from None
     recipe = LEGAL_PAIRS.get((fmt, scl))
     if recipe is None:
-        fix = {
-            LowPrecisionFormat.MXFP8_E4M3: "scaling: mx_block",
-            LowPrecisionFormat.HIF8: "scaling: current",
-        }[fmt]
+        fix = f"scaling: {format_entry(fmt).scaling}"
         raise ValueError(
             f"{owner}: illegal low-precision pair {fmt.value}+{scl.value}; the legal pairs are "
             f"{_legal_pairs_text()} (design spec §4.2). For format: {fmt.value} set `{fix}`."
@@ -220,7 +219,7 @@ class LowPrecisionConfig:
         """The ``--precision`` value this config corresponds to (inverse of :meth:`from_precision`)."""
         if not self.enabled:
             return PrecisionName.BF16
-        return PrecisionName.MXFP8 if self.format == LowPrecisionFormat.MXFP8_E4M3 else PrecisionName.HIF8
+        return PrecisionName(format_entry(self.format).precision)
 
     def to_policy(self) -> LowPrecisionPolicy:
         """Return the read-only policy handed to the replacement plan and its factories (design spec §4.2)."""

@@ -48,7 +48,7 @@ def test_every_cli_config_parses(path):
 
 
 def test_16b_low_precision_configs_equal_the_bf16_baseline():
-    """Seed §17.4: same effective training configuration; only precision (and MXFP8's fallback) differ."""
+    """Design spec §17.4: same effective training configuration; only precision (and MXFP8's fallback) differ."""
     base = _as_dict(parse_config(["--config", str(CONFIGS / "dsv3_16b_bf16.yaml")]))
     for name in ("mxfp8", "hif8"):
         other = _as_dict(parse_config(["--config", str(CONFIGS / f"dsv3_16b_{name}.yaml")]))
@@ -65,7 +65,7 @@ def test_16b_mxfp8_fallback_list_is_the_shard_rule():
     """The weights dsv3_16b_mxfp8.yaml's comment says stay replicated over 8 ranks (design spec §9.1)."""
     import torch
 
-    from lp_lightning.formats.weight import mx_shard_rule_violation
+    from lp_lightning.formats.mxfp8 import SPEC as MXFP8
     from lp_lightning.models.deepseek_v3 import build_meta_model
     from lp_lightning.plan import compile_plan, deepseek_v3_default_rules
     from lp_lightning.policy import LowPrecisionConfig
@@ -77,7 +77,7 @@ def test_16b_mxfp8_fallback_list_is_the_shard_rule():
         module = model.get_submodule(entry.fqn)
         for name in ("weight",) if isinstance(module, torch.nn.Linear) else ("gate_up_proj", "down_proj"):
             shape = tuple(getattr(module, name).shape)
-            if mx_shard_rule_violation("dense" if len(shape) == 2 else "grouped", shape, 8):
+            if MXFP8.shard_rule_violation("dense" if len(shape) == 2 else "grouped", shape, 8):
                 illegal.append((f"{entry.fqn}.{name}".split(".", 3)[-1], shape))
     assert len(illegal) == 28 + 2 + 2 * 27  # kv_a_proj_with_mqa per layer, dense gate/up, shared gate/up
     assert set(illegal) == {

@@ -13,7 +13,7 @@ DCP keys (read them with :func:`checkpoint_tensor_keys`):
 * **model view** at the top level, keyed exactly by the HF module's state-dict names, e.g.
   ``model.layers.0.mlp.gate_proj.weight``, ``model.layers.1.mlp.experts.gate_up_proj``,
   ``lm_head.weight``. The values are the FP32 master weights (the sharded FSDP2 Parameters that
-  AdamW updates). Seed §11 asks for "BF16 logical weights"; we keep the FP32 master instead,
+  AdamW updates). Design spec §11 asks for "BF16 logical weights"; we keep the FP32 master instead,
   because with FSDP2 the master *is* the Parameter and the optimizer view holds no copy of it:
   saving BF16 would lose the master and make bitwise resume impossible. A BF16 view is an exact
   cast of it. No derived low-precision data/scale is ever saved (R9).
@@ -23,7 +23,7 @@ DCP keys (read them with :func:`checkpoint_tensor_keys`):
 
 Low-precision runs (``mxfp8``/``hif8``): a low-precision weight's Parameter is a
 ``QuantizedWeightTensor`` (FP32 master + derived 8-bit storage); a state-dict post hook of its
-module (``lp_lightning.formats.weight``) exposes the plain FP32 master shard under the same HF key,
+module (``lp_lightning.integration.weights``) exposes the plain FP32 master shard under the same HF key,
 so the checkpoint holds no tensor subclass and no derived data/scale, loads with
 ``weights_only=True``, into a plain HF ``DeepseekV3ForCausalLM`` (``dcp.load`` without a process
 group) and into a run of any precision. Loading copies into the master in place; the strategies then

@@ -19,7 +19,7 @@ holds identical weights) and applies, in this order and nowhere else:
    routing is computed from FP32 weights exactly as in the unsharded model.
    With low-precision weights (``mxfp8``/``hif8``; the conversion finalized them with unbuilt
    storage) the shard rules of design spec §9.1 are checked first
-   (:func:`~lp_lightning.distributed.fsdp_extension.plan_low_precision_sharding`): an illegal
+   (:func:`~lp_lightning.integration.plan_low_precision_sharding`): an illegal
    weight fails here naming FQN, shape, world size and rule, or, with
    ``fallback_to_unsharded=True``, its module is sharded first over the ``(W, 1)`` replicated
    fallback mesh (one mesh for all of them), so it stays replicated and still computes in low
@@ -39,7 +39,7 @@ Parameters.
 
 Only torch is imported here (no Lightning): the Trainer strategy and the Fabric strategy in
 ``lp_lightning/lightning/strategy.py`` both call these functions. The low-precision modules
-(:mod:`lp_lightning.distributed.fsdp_extension`, :mod:`lp_lightning.distributed.refresh`) are
+(:mod:`lp_lightning.integration`) are
 imported only when the model holds low-precision weights, so a ``bf16`` run never imports the
 format layer.
 """
@@ -264,10 +264,10 @@ def modules_kept_in_fp32(module: nn.Module) -> tuple[str, ...]:
 def _is_low_precision_weight(param: torch.Tensor) -> bool:
     """Whether ``param`` (or a DTensor's local shard) is a ``QuantizedWeightTensor``.
 
-    Checked through ``sys.modules``: when :mod:`lp_lightning.formats.weight` was never imported no
+    Checked through ``sys.modules``: when :mod:`lp_lightning.tensor.weight` was never imported no
     such weight can exist, and a ``bf16`` run does not import it here either.
     """
-    weight = sys.modules.get("lp_lightning.formats.weight")
+    weight = sys.modules.get("lp_lightning.tensor.weight")
     if weight is None:
         return False
     if isinstance(param, DTensor):
@@ -384,7 +384,7 @@ def parallelize_causal_lm(
     replicated: tuple[tuple[str, str], ...] = ()
     num_low_precision = 0
     if low_precision:
-        from lp_lightning.distributed.fsdp_extension import plan_low_precision_sharding
+        from lp_lightning.integration import plan_low_precision_sharding
 
         sharding = plan_low_precision_sharding(
             causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded
@@ -396,7 +396,7 @@ def parallelize_causal_lm(
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
     modules = dict(causal_lm.named_modules())
     if replicated_modules:  # before the layers that contain them (fsdp_extension docstring)
-        from lp_lightning.distributed.fsdp_extension import replicated_fallback_mesh
+        from lp_lightning.integration import replicated_fallback_mesh
 
         replicate_mesh = replicated_fallback_mesh(mesh.device_type, mesh.size())
         for fqn in replicated_modules:
@@ -412,7 +412,7 @@ def parallelize_causal_lm(
     steps.append("fully_shard")
 
     if low_precision:
-        from lp_lightning.distributed.refresh import refresh_low_precision_weights
+        from lp_lightning.integration import refresh_low_precision_weights
 
         refresh_low_precision_weights(causal_lm.parameters())
         steps.append("refresh_low_precision")

@@ -1,45 +1,60 @@
-"""Low-precision formats: codecs, quantized operands, quantizers and recipes (design spec §3, §7).
+"""Low-precision formats: the generic protocol, the registry, and one package per format (design spec §3, §7).
 
-Codecs live in their own modules (``lp_lightning.formats.hif8``, ``lp_lightning.formats.mxfp8``);
-this package re-exports the objects the layers above use::
+Generic (no format named): :mod:`~lp_lightning.formats.registry` (pure-Python catalogue),
+:mod:`~lp_lightning.formats.spec` (``FormatSpec``, ``WeightKind``, ``AmaxScope``),
+:mod:`~lp_lightning.formats.operand` (``QuantizedOperand``, ``QuantizationRole``),
+:mod:`~lp_lightning.formats.quantizer` (the ``Quantizer`` protocol) and
+:mod:`~lp_lightning.formats.recipe` (``LowPrecisionRecipe``, ``recipe_for``, SQNR floors).
+Formats: :mod:`lp_lightning.formats.mxfp8`, :mod:`lp_lightning.formats.hif8`.
+
+Attributes load on first use (PEP 562), so ``import lp_lightning.formats.registry`` — what the
+configuration layer does — imports no torch and no format::
 
     from lp_lightning.formats import QuantizationRole, recipe_for
 
     recipe = recipe_for("hif8")
-    x_op = recipe.quantizer(QuantizationRole.INPUT_FWD).quantize(x_MK, orientation="row")
+    x_op = lp_lightning.ops.quantize(recipe.quantizer(QuantizationRole.INPUT_FWD), x_MK, orientation="row")
 """
 
-from lp_lightning.formats._compile import compiled_kernels_enabled, set_compiled_kernels
-from lp_lightning.formats.operand import (
-    MX_BLOCK_SIZE,
-    LowPrecisionFormat,
-    Orientation,
-    QuantizationRole,
-    QuantizedOperand,
-)
-from lp_lightning.formats.quantizers import HiF8Quantizer, MXFP8Quantizer, Quantizer
-from lp_lightning.formats.recipe import (
-    HIF8_CURRENT,
-    MXFP8_E4M3_MX_BLOCK,
-    SQNR_FLOORS_DB,
-    LowPrecisionRecipe,
-    recipe_for,
-)
+from __future__ import annotations
 
-__all__ = [
-    "HIF8_CURRENT",
-    "MXFP8_E4M3_MX_BLOCK",
-    "MX_BLOCK_SIZE",
-    "SQNR_FLOORS_DB",
-    "HiF8Quantizer",
-    "LowPrecisionFormat",
-    "LowPrecisionRecipe",
-    "MXFP8Quantizer",
-    "Orientation",
-    "QuantizationRole",
-    "QuantizedOperand",
-    "Quantizer",
-    "compiled_kernels_enabled",
-    "recipe_for",
-    "set_compiled_kernels",
-]
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "AmaxScope": "lp_lightning.formats.spec",
+    "FormatEntry": "lp_lightning.formats.registry",
+    "FormatSpec": "lp_lightning.formats.spec",
+    "HIF8_CURRENT": "lp_lightning.formats.hif8",
+    "HiF8Quantizer": "lp_lightning.formats.hif8",
+    "LowPrecisionFormat": "lp_lightning.names",
+    "LowPrecisionRecipe": "lp_lightning.formats.recipe",
+    "MXFP8Quantizer": "lp_lightning.formats.mxfp8",
+    "MXFP8_E4M3_MX_BLOCK": "lp_lightning.formats.mxfp8",
+    "Orientation": "lp_lightning.formats.spec",
+    "QuantizationRole": "lp_lightning.formats.operand",
+    "QuantizedOperand": "lp_lightning.formats.operand",
+    "Quantizer": "lp_lightning.formats.quantizer",
+    "SQNR_FLOORS_DB": "lp_lightning.formats.recipe",
+    "WeightKind": "lp_lightning.formats.spec",
+    "compiled_kernels_enabled": "lp_lightning.formats._compile",
+    "format_spec": "lp_lightning.formats.registry",
+    "recipe_for": "lp_lightning.formats.recipe",
+    "register_format": "lp_lightning.formats.registry",
+    "set_compiled_kernels": "lp_lightning.formats._compile",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lp_lightning.formats' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -6,13 +6,15 @@ quantized for one matmul, or a view of a persistent low-precision weight. It alw
 is said by the GEMM ``layout`` (``"NN"``/``"NT"``/``"TN"``, see ``lp_lightning.ops``), never by
 reshaping the data.
 
-Two formats (requirement R1 (docs/design.md), docs/formats.md "Decisions for recipe v1"):
+Its ``format`` is a :class:`~lp_lightning.formats.spec.FormatSpec`, which fixes the data and
+scale dtypes, the scale shape of each data shape and orientation, and whether the orientation is
+physical. The two product formats (requirement R1, docs/design.md):
 
-- ``MXFP8_E4M3``: ``data`` is ``torch.float8_e4m3fn`` and ``scale`` is ``torch.float8_e8m0fnu``,
+- ``mxfp8_e4m3``: ``data`` is ``torch.float8_e4m3fn`` and ``scale`` is ``torch.float8_e8m0fnu``,
   one scale per 32-element block (OCP MX v1.0). The block direction is physical:
   ``orientation="row"`` means blocks of 32 along the last dim (1×32), ``"col"`` means blocks of 32
   along dim −2 (32×1). A row operand and a col operand of the same tensor are different bytes.
-- ``HIF8``: ``data`` holds HiFloat8 codes as ``torch.uint8`` (``torch_npu.hifloat8`` bytes) and
+- ``hif8``: ``data`` holds HiFloat8 codes as ``torch.uint8`` (``torch_npu.hifloat8`` bytes) and
   ``scale`` is ``torch.float32``: a 0-d per-tensor scale for 1-D/2-D data, one scale per leading
   group ``[E]`` for 3-D grouped weights. The scale does not depend on a block direction, so one
   ``data`` serves both orientations: ``orientation`` is metadata (``with_orientation`` returns a
@@ -38,31 +40,16 @@ int64 per-group row counts (torch_npu ``group_list_type=1``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, get_args
 
 import torch
 
-from lp_lightning.formats.mxfp8 import BLOCK_SIZE
-from lp_lightning.names import LowPrecisionFormat, parse_enum
+from lp_lightning.formats.registry import format_spec
+from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation
+from lp_lightning.names import parse_enum
 
-__all__ = [
-    "MX_BLOCK_SIZE",
-    "LowPrecisionFormat",
-    "Orientation",
-    "QuantizationRole",
-    "QuantizedOperand",
-]
-
-Orientation = Literal["row", "col"]
-"""``"row"``: blocks along the last dim (1×32); ``"col"``: blocks along dim −2 (32×1)."""
-
-MX_BLOCK_SIZE: int = BLOCK_SIZE
-"""Elements per MX scale block (OCP MX v1.0 §5; docs/formats.md §2); the codec's ``mxfp8.BLOCK_SIZE``."""
-
-_ORIENTATIONS: tuple[str, ...] = get_args(Orientation)
+__all__ = ["Orientation", "QuantizationRole", "QuantizedOperand"]
 
 
 class QuantizationRole(str, Enum):
@@ -90,13 +77,7 @@ class QuantizationRole(str, Enum):
         return parse_enum(cls, value, argument="role", what="a quantization role")
 
 
-_DATA_DTYPE = {LowPrecisionFormat.MXFP8_E4M3: torch.float8_e4m3fn, LowPrecisionFormat.HIF8: torch.uint8}
-_SCALE_DTYPE = {LowPrecisionFormat.MXFP8_E4M3: torch.float8_e8m0fnu, LowPrecisionFormat.HIF8: torch.float32}
 _LOGICAL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _num_blocks(extent: int) -> int:
-    return math.ceil(extent / MX_BLOCK_SIZE)
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,15 +91,17 @@ class QuantizedOperand:
             one per 32-block along the orientation's dim (shapes in the module docstring); HiF8:
             ``torch.float32``, 0-d for 1-D/2-D data, ``[E]`` for 3-D data.
         logical_dtype: The high-precision dtype the values came from (float32/bfloat16/float16).
-        format: ``LowPrecisionFormat`` of ``data``/``scale`` (a legal string is converted).
+        format: The :class:`~lp_lightning.formats.spec.FormatSpec` of ``data``/``scale`` (a
+            registered format name is converted).
         orientation: ``"row"`` (blocks along the last dim) or ``"col"`` (blocks along dim −2).
-            Physical for MXFP8, metadata only for HiF8.
+            Physical for block formats (MXFP8), metadata only otherwise (HiF8).
         group_list: Optional ``int64 [G]`` per-group row counts (torch_npu ``group_list_type=1``)
             the operand was quantized with. Required for an MXFP8 ``"col"`` operand whose blocks
             stop at group boundaries (the wgrad operands of a grouped GEMM), where it also fixes
             the scale's first dim ``sum_g ceil(n_g/32)``; informative otherwise. Default None.
-        format_max: HiF8 only: the value the operand's amax was scaled to (15.0 for input/weight
-            roles, 224.0 for gradients; docs/formats.md §1.7). None for MXFP8 (default None).
+        format_max: Current-scaling formats only: the value the operand's amax was scaled to
+            (HiF8: 15.0 for input/weight roles, 224.0 for gradients; docs/formats.md §1.7). None for
+            block formats (default None).
 
     Raises:
         TypeError: if a field has the wrong type or dtype.
@@ -128,23 +111,24 @@ class QuantizedOperand:
     data: torch.Tensor
     scale: torch.Tensor
     logical_dtype: torch.dtype
-    format: LowPrecisionFormat
+    format: FormatSpec
     orientation: Orientation
     group_list: torch.Tensor | None = None
     format_max: float | None = None
 
     def __post_init__(self) -> None:
-        fmt = LowPrecisionFormat.parse(self.format)
-        object.__setattr__(self, "format", fmt)
-        if self.orientation not in _ORIENTATIONS:
+        spec = format_spec(self.format)
+        object.__setattr__(self, "format", spec)
+        who = f"QuantizedOperand({spec.name}, {self.orientation})"
+        if self.orientation not in ORIENTATIONS:
             raise ValueError(f"QuantizedOperand: orientation={self.orientation!r}; legal values: 'row', 'col'.")
         for name in ("data", "scale"):
             if not isinstance(getattr(self, name), torch.Tensor):
                 got = type(getattr(self, name)).__name__
                 raise TypeError(f"QuantizedOperand: {name} must be a torch.Tensor, got {got}.")
-        if self.data.dtype != _DATA_DTYPE[fmt] or self.scale.dtype != _SCALE_DTYPE[fmt]:
+        if self.data.dtype != spec.data_dtype or self.scale.dtype != spec.scale_dtype:
             raise TypeError(
-                f"QuantizedOperand({fmt.value}): data/scale dtypes must be {_DATA_DTYPE[fmt]}/{_SCALE_DTYPE[fmt]}, "
+                f"{who}: data/scale dtypes must be {spec.data_dtype}/{spec.scale_dtype}, "
                 f"got {self.data.dtype}/{self.scale.dtype}."
             )
         if self.logical_dtype not in _LOGICAL_DTYPES:
@@ -156,6 +140,7 @@ class QuantizedOperand:
                 f"QuantizedOperand: data is on {self.data.device} but scale is on {self.scale.device}; "
                 "keep both on one device."
             )
+        counts = None
         if self.group_list is not None:
             gl = self.group_list
             if not isinstance(gl, torch.Tensor) or gl.dtype != torch.int64 or gl.dim() != 1:
@@ -163,63 +148,21 @@ class QuantizedOperand:
                 raise TypeError(
                     f"QuantizedOperand: group_list must be a 1-D torch.int64 tensor of per-group row counts, got {got}."
                 )
-        if fmt is LowPrecisionFormat.MXFP8_E4M3:
-            if self.format_max is not None:
-                raise ValueError("QuantizedOperand(mxfp8_e4m3): format_max is a HiF8 field; leave it None.")
-            self._check_mx_shapes()
-        else:
-            if self.format_max is not None and not (isinstance(self.format_max, float) and self.format_max > 0):
-                raise ValueError(
-                    f"QuantizedOperand(hif8): format_max must be a positive float, got {self.format_max!r}."
-                )
-            self._check_hif8_shapes()
-
-    def _check_mx_shapes(self) -> None:
+            if gl.device.type == "cpu":  # host counts: checked without a device sync
+                counts = gl.tolist()
+        if not spec.uses_format_max and self.format_max is not None:
+            raise ValueError(f"{who}: format_max is a current-scaling field; leave it None.")
+        if self.format_max is not None and not (isinstance(self.format_max, float) and self.format_max > 0):
+            raise ValueError(f"{who}: format_max must be a positive float, got {self.format_max!r}.")
         shape, scale_shape = tuple(self.data.shape), tuple(self.scale.shape)
-        if self.orientation == "row":
-            if len(shape) < 1:
-                raise ValueError("QuantizedOperand(mxfp8_e4m3, row): data must have at least 1 dim, got a 0-d tensor.")
-            expected = shape[:-1] + (_num_blocks(shape[-1]),)
-        elif len(shape) < 2:
-            raise ValueError(f"QuantizedOperand(mxfp8_e4m3, col): data must have at least 2 dims, got shape {shape}.")
-        elif self.group_list is not None:
+        grouped = self.group_list is not None and spec.physical_orientation and self.orientation == "col"
+        if grouped and counts is None:  # device counts: the scale's row count is not checked here
             if len(shape) != 2 or len(scale_shape) != 2 or scale_shape[1] != shape[1]:
-                raise ValueError(
-                    f"QuantizedOperand(mxfp8_e4m3, col, grouped): data must be [T, C] and scale "
-                    f"[sum_g ceil(n_g/32), C]; got data {shape}, scale {scale_shape}."
-                )
-            if self.group_list.device.type == "cpu":  # host counts: check without a device sync
-                counts = self.group_list.tolist()
-                rows, blocks = sum(counts), sum(_num_blocks(c) for c in counts)
-                if rows != shape[0] or blocks != scale_shape[0] or min(counts, default=0) < 0:
-                    raise ValueError(
-                        f"QuantizedOperand(mxfp8_e4m3, col, grouped): group_list {counts} needs data with "
-                        f"{rows} rows and scale with sum_g ceil(n_g/32) = {blocks} rows; got data {shape}, "
-                        f"scale {scale_shape}."
-                    )
+                raise ValueError(f"{who}, grouped: data must be [T, C] and scale [blocks, C]; got {shape}, {scale_shape}.")
             return
-        else:
-            expected = shape[:-2] + (_num_blocks(shape[-2]), shape[-1])
+        expected = spec.scale_shape(shape, self.orientation, counts if grouped else None)
         if scale_shape != expected:
-            raise ValueError(
-                f"QuantizedOperand(mxfp8_e4m3, {self.orientation}): data {shape} needs scale shape {expected} "
-                f"(one E8M0 per {MX_BLOCK_SIZE}-block along dim {-1 if self.orientation == 'row' else -2}), "
-                f"got {scale_shape}."
-            )
-
-    def _check_hif8_shapes(self) -> None:
-        shape, scale_shape = tuple(self.data.shape), tuple(self.scale.shape)
-        if len(shape) in (1, 2):
-            expected: tuple[int, ...] = ()
-        elif len(shape) == 3:
-            expected = (shape[0],)
-        else:
-            raise ValueError(
-                f"QuantizedOperand(hif8): data must be 1-D, 2-D (per-tensor scale) or 3-D (per-group scale), "
-                f"got shape {shape}."
-            )
-        if scale_shape != expected:
-            raise ValueError(f"QuantizedOperand(hif8): data {shape} needs scale shape {expected}, got {scale_shape}.")
+            raise ValueError(f"{who}: data {shape} needs scale shape {expected}, got {scale_shape}.")
 
     @property
     def shape(self) -> torch.Size:
@@ -232,10 +175,11 @@ class QuantizedOperand:
         return self.data.device
 
     def with_orientation(self, orientation: Orientation) -> QuantizedOperand:
-        """The same quantized values described for the other GEMM direction (HiF8 only).
+        """The same quantized values described for the other GEMM direction.
 
-        HiF8's scale is per tensor (or per leading group), so both orientations share ``data`` and
-        ``scale`` (design spec §7.3): the result is a new descriptor over the same storage.
+        For a format whose orientation is metadata (HiF8: one scale per tensor or leading group),
+        both orientations share ``data`` and ``scale`` (design spec §7.3): the result is a new
+        descriptor over the same storage.
 
         Args:
             orientation: ``"row"`` or ``"col"``.
@@ -244,18 +188,17 @@ class QuantizedOperand:
             ``self`` if the orientation is unchanged, else a new operand sharing the tensors.
 
         Raises:
-            ValueError: for MXFP8, whose row and col blocks are different bytes — quantize the
-                source with the other orientation (or take the weight's other copy) instead.
+            ValueError: for a block format (MXFP8), whose row and col blocks are different bytes —
+                quantize the source with the other orientation (or take the weight's other copy).
         """
-        if orientation not in _ORIENTATIONS:
+        if orientation not in ORIENTATIONS:
             raise ValueError(f"with_orientation: orientation={orientation!r}; legal values: 'row', 'col'.")
         if orientation == self.orientation:
             return self
-        if self.format is LowPrecisionFormat.MXFP8_E4M3:
+        if self.format.physical_orientation:
             raise ValueError(
-                f"with_orientation: an MXFP8 {self.orientation} operand cannot serve as {orientation}: the "
-                f"32-element blocks run along a different dim. Quantize the high-precision tensor with "
-                f"orientation={orientation!r} (or use the weight's {orientation} copy)."
+                f"with_orientation: an {self.format.label} {self.orientation} operand cannot serve as {orientation} (its "
+                f"blocks run along another dim). Quantize the high-precision tensor with orientation={orientation!r}."
             )
         return dataclasses.replace(self, orientation=orientation)
 
@@ -278,19 +221,7 @@ class QuantizedOperand:
         """
         if not isinstance(output_dtype, torch.dtype) or not output_dtype.is_floating_point:
             raise TypeError(f"dequantize: output_dtype must be a floating torch.dtype, got {output_dtype!r}.")
-        if self.format is LowPrecisionFormat.MXFP8_E4M3:
-            from lp_lightning.formats import mxfp8
-
-            if self.orientation == "col" and self.group_list is not None:
-                values = mxfp8.dequantize_grouped(self.data, self.scale, self.group_list, orientation="col")
-            else:
-                values = mxfp8.dequantize(self.data, self.scale, orientation=self.orientation)
-        else:
-            from lp_lightning.formats import hif8
-
-            scale = self.scale.reshape(-1, 1, 1) if self.data.dim() == 3 else self.scale
-            values = hif8.decode(self.data, torch.float32) * scale
-        return values.to(output_dtype)  # FP32 → FP64 is exact; to BF16/FP16 one rounding
+        return self.format.dequantize(self).to(output_dtype)  # FP32 → FP64 is exact; to BF16/FP16 one rounding
 
     def __repr__(self) -> str:
         extra = ""
@@ -299,6 +230,6 @@ class QuantizedOperand:
         if self.format_max is not None:
             extra += f", format_max={self.format_max}"
         return (
-            f"QuantizedOperand({self.format.value}, {self.orientation}, shape={tuple(self.data.shape)}, "
+            f"QuantizedOperand({self.format.name}, {self.orientation}, shape={tuple(self.data.shape)}, "
             f"scale={tuple(self.scale.shape)}, logical_dtype={self.logical_dtype}, device={self.device}{extra})"
         )

@@ -1,6 +1,8 @@
 """Recipes: the immutable map from ``QuantizationRole`` to ``Quantizer`` (design spec §7.1, §13.3; R2).
 
-A recipe owns every numeric constant of its format; nothing here is user configuration (seed
+Each format package builds its v1 recipe (``lp_lightning.formats.mxfp8.MXFP8_E4M3_MX_BLOCK``,
+``lp_lightning.formats.hif8.HIF8_CURRENT``); :func:`recipe_for` finds it through the registry. A
+recipe owns every numeric constant of its format; nothing here is user configuration (design spec
 §3.2: the values are part of an operator- and accuracy-validated recipe, and a contract change
 ships as a new recipe version, never as a different meaning of the same name).
 
@@ -56,21 +58,22 @@ measures 31.5 dB, the working value for m = 3: **≈ 31.5 dB (m = 3), 25.5 dB (m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from lp_lightning.formats import hif8
-from lp_lightning.formats.operand import LowPrecisionFormat, QuantizationRole
-from lp_lightning.formats.quantizers import HiF8Quantizer, MXFP8Quantizer, Quantizer
+from lp_lightning.formats.operand import QuantizationRole
+from lp_lightning.formats.quantizer import Quantizer
+from lp_lightning.formats.registry import format_names, format_spec
+
+if TYPE_CHECKING:
+    from lp_lightning.formats.spec import FormatSpec
 
 __all__ = [
-    "HIF8_CURRENT",
-    "MXFP8_E4M3_MX_BLOCK",
     "SQNR_FLOORS_DB",
     "SQNR_MEASURED_DB",
     "LowPrecisionRecipe",
@@ -88,8 +91,9 @@ class LowPrecisionRecipe:
     Attributes:
         name: Versioned recipe name, as selected by the policy (``"mxfp8_e4m3_mx_block"``,
             ``"hif8_current"``).
-        format: The ``LowPrecisionFormat`` every quantizer produces.
-        scaling: ``"mx_block"`` or ``"current"``.
+        format: The :class:`~lp_lightning.formats.spec.FormatSpec` every quantizer produces (a
+            registered name is converted).
+        scaling: The format's scaling algorithm (``"mx_block"``, ``"current"``).
         quantizers: One ``Quantizer`` per ``QuantizationRole`` (all five); stored read-only.
 
     Raises:
@@ -97,12 +101,12 @@ class LowPrecisionRecipe:
     """
 
     name: str
-    format: LowPrecisionFormat
-    scaling: Literal["mx_block", "current"]
+    format: FormatSpec
+    scaling: str
     quantizers: Mapping[QuantizationRole, Quantizer] = field(repr=False)
 
     def __post_init__(self) -> None:
-        fmt = LowPrecisionFormat.parse(self.format)
+        fmt = format_spec(self.format)
         object.__setattr__(self, "format", fmt)
         quantizers = {QuantizationRole.parse(role): q for role, q in self.quantizers.items()}
         missing = [role.value for role in QuantizationRole if role not in quantizers]
@@ -110,9 +114,9 @@ class LowPrecisionRecipe:
             raise ValueError(
                 f"LowPrecisionRecipe {self.name!r}: no quantizer for roles {missing}; every role needs one."
             )
-        wrong = {role.value: q.format.value for role, q in quantizers.items() if q.format != fmt}
+        wrong = {role.value: q.format.name for role, q in quantizers.items() if q.format is not fmt}
         if wrong:
-            raise ValueError(f"LowPrecisionRecipe {self.name!r} is {fmt.value} but quantizers produce {wrong}.")
+            raise ValueError(f"LowPrecisionRecipe {self.name!r} is {fmt.name} but quantizers produce {wrong}.")
         object.__setattr__(self, "quantizers", MappingProxyType(quantizers))
 
     def quantizer(self, role: QuantizationRole | str) -> Quantizer:
@@ -125,55 +129,23 @@ class LowPrecisionRecipe:
 
     def __repr__(self) -> str:
         roles = ", ".join(f"{role.value}={q!r}" for role, q in self.quantizers.items())
-        return f"LowPrecisionRecipe({self.name!r}, {self.format.value}+{self.scaling}: {roles})"
+        return f"LowPrecisionRecipe({self.name!r}, {self.format.name}+{self.scaling}: {roles})"
 
 
-_MX_QUANTIZER = MXFP8Quantizer()
-_HIF8_INPUT_WEIGHT = HiF8Quantizer(format_max=hif8.FORMAT_MAX_INPUT_WEIGHT)
-_HIF8_GRADIENT = HiF8Quantizer(format_max=hif8.FORMAT_MAX_GRADIENT)
-
-MXFP8_E4M3_MX_BLOCK = LowPrecisionRecipe(
-    name="mxfp8_e4m3_mx_block",
-    format=LowPrecisionFormat.MXFP8_E4M3,
-    scaling="mx_block",
-    quantizers={role: _MX_QUANTIZER for role in QuantizationRole},
-)
-"""MXFP8 recipe v1: E4M3 + E8M0 per 32-block, RCEIL, one stateless quantizer for every role."""
-
-HIF8_CURRENT = LowPrecisionRecipe(
-    name="hif8_current",
-    format=LowPrecisionFormat.HIF8,
-    scaling="current",
-    quantizers={
-        QuantizationRole.INPUT_FWD: _HIF8_INPUT_WEIGHT,
-        QuantizationRole.WEIGHT_FWD: _HIF8_INPUT_WEIGHT,
-        QuantizationRole.INPUT_BWD: _HIF8_INPUT_WEIGHT,
-        QuantizationRole.WEIGHT_BWD: _HIF8_INPUT_WEIGHT,
-        QuantizationRole.GRAD_OUTPUT: _HIF8_GRADIENT,
-    },
-)
-"""HiF8 current-scaling recipe v1: amax → 15.0 for inputs/weights, → 224.0 for gradients."""
-
-_RECIPES: dict[LowPrecisionFormat, LowPrecisionRecipe] = {
-    LowPrecisionFormat.MXFP8_E4M3: MXFP8_E4M3_MX_BLOCK,
-    LowPrecisionFormat.HIF8: HIF8_CURRENT,
-}
-
-
-def recipe_for(format: LowPrecisionFormat | str) -> LowPrecisionRecipe:
+def recipe_for(format: FormatSpec | str) -> LowPrecisionRecipe:
     """The v1 recipe of a format.
 
     Args:
-        format: ``LowPrecisionFormat`` (or any str-valued enum with the same value) or its string
-            value: ``"mxfp8_e4m3"`` or ``"hif8"``.
+        format: A ``FormatSpec`` or a registered format name (``"mxfp8_e4m3"``, ``"hif8"``; a
+            ``str``-valued Enum member works too).
 
     Returns:
-        ``MXFP8_E4M3_MX_BLOCK`` or ``HIF8_CURRENT``.
+        The format's recipe (e.g. ``MXFP8_E4M3_MX_BLOCK``, ``HIF8_CURRENT``).
 
     Raises:
         ValueError: for an unknown format, naming the legal values.
     """
-    return _RECIPES[LowPrecisionFormat.parse(format)]
+    return format_spec(format).recipe
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,50 +213,30 @@ def sqnr_reference_input(
     )
 
 
-_SQNR_TABLE: dict[SqnrKey, tuple[float, float]] = {
-    # key: (measured dB with seed 0, floor dB = measured − 2 dB rounded down to 0.5 dB)
-    # MXFP8 quantize → dequantize: derived ≈ 31.5 dB on every input (each block has its own scale).
-    ('mxfp8', 'gaussian', 'quantize'): (31.52, 29.5),
-    ('mxfp8', 'student_t3', 'quantize'): (31.34, 29.0),
-    ('mxfp8', 'outliers', 'quantize'): (31.62, 29.5),
-    ('mxfp8', 'outliers_bulk', 'quantize'): (31.52, 29.5),
-    # HiF8, format_max 15: derived ≈ 31.5 dB (3-bit band); under outliers the bulk drops to the
-    # 2-bit band (≈ 26 dB).
-    ('hif8_15', 'gaussian', 'quantize'): (31.55, 29.5),
-    ('hif8_15', 'student_t3', 'quantize'): (31.48, 29.0),
-    ('hif8_15', 'outliers', 'quantize'): (31.47, 29.0),
-    ('hif8_15', 'outliers_bulk', 'quantize'): (26.60, 24.5),
-    # HiF8, format_max 224: derived ≈ 25.5 dB (2-bit band); a bulk scaled down by outliers or
-    # heavy tails falls back into the 3-bit band.
-    ('hif8_224', 'gaussian', 'quantize'): (25.62, 23.5),
-    ('hif8_224', 'student_t3', 'quantize'): (28.84, 26.5),
-    ('hif8_224', 'outliers', 'quantize'): (25.49, 23.0),
-    ('hif8_224', 'outliers_bulk', 'quantize'): (31.52, 29.5),
-    # MXFP8 GEMMs vs FP64: derived 31.5 − 3 ≈ 28.5 dB for every GEMM.
-    ('mxfp8', 'gaussian', 'fprop'): (28.55, 26.5),
-    ('mxfp8', 'gaussian', 'dgrad'): (28.51, 26.5),
-    ('mxfp8', 'gaussian', 'wgrad'): (28.50, 26.5),
-    ('mxfp8', 'student_t3', 'fprop'): (28.54, 26.5),
-    ('mxfp8', 'student_t3', 'dgrad'): (28.53, 26.5),
-    ('mxfp8', 'student_t3', 'wgrad'): (28.48, 26.0),
-    ('mxfp8', 'outliers', 'fprop'): (28.39, 26.0),
-    ('mxfp8', 'outliers', 'dgrad'): (29.14, 27.0),
-    ('mxfp8', 'outliers', 'wgrad'): (29.03, 27.0),
-    # HiF8 GEMMs vs FP64: fprop (15 × 15) ≈ 28.5 dB; dgrad/wgrad (224 × 15)
-    # ≈ −10·log10(10^-2.56 + 10^-3.15) ≈ 24.6 dB.
-    ('hif8', 'gaussian', 'fprop'): (28.57, 26.5),
-    ('hif8', 'gaussian', 'dgrad'): (24.64, 22.5),
-    ('hif8', 'gaussian', 'wgrad'): (24.60, 22.5),
-    ('hif8', 'student_t3', 'fprop'): (28.55, 26.5),
-    ('hif8', 'student_t3', 'dgrad'): (25.63, 23.5),
-    ('hif8', 'student_t3', 'wgrad'): (25.60, 23.5),
-    ('hif8', 'outliers', 'fprop'): (27.96, 25.5),
-    ('hif8', 'outliers', 'dgrad'): (23.99, 21.5),
-    ('hif8', 'outliers', 'wgrad'): (24.10, 22.0),
-}
+class _SqnrTable(Mapping[SqnrKey, float]):
+    """One column of every registered format's ``sqnr_table`` (read when looked up)."""
 
-SQNR_MEASURED_DB: Mapping[SqnrKey, float] = MappingProxyType({k: v[0] for k, v in _SQNR_TABLE.items()})
+    def __init__(self, column: int) -> None:
+        self._column = column
+
+    def _merged(self) -> dict[SqnrKey, float]:
+        merged: dict[SqnrKey, float] = {}
+        for name in format_names():
+            merged.update({k: v[self._column] for k, v in format_spec(name).sqnr_table.items()})
+        return merged
+
+    def __getitem__(self, key: SqnrKey) -> float:
+        return self._merged()[key]
+
+    def __iter__(self) -> Iterator[SqnrKey]:
+        return iter(self._merged())
+
+    def __len__(self) -> int:
+        return len(self._merged())
+
+
+SQNR_MEASURED_DB: Mapping[SqnrKey, float] = _SqnrTable(0)
 """SQNR measured on the reference inputs with seed 0 (the tests re-measure and compare)."""
 
-SQNR_FLOORS_DB: Mapping[SqnrKey, float] = MappingProxyType({k: v[1] for k, v in _SQNR_TABLE.items()})
+SQNR_FLOORS_DB: Mapping[SqnrKey, float] = _SqnrTable(1)
 """Floors the tests enforce: the measurement minus a 2 dB margin, rounded down to 0.5 dB."""

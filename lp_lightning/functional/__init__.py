@@ -5,10 +5,17 @@ Model-agnostic: modules (``lp_lightning.modules``) and model adapters
 tensor and a recipe; every fprop, dgrad and wgrad GEMM runs through ``lp_lightning.ops``.
 """
 
-from lp_lightning.functional.grouped_linear import low_precision_grouped_swiglu, swiglu_backward
-from lp_lightning.functional.linear import is_low_precision_weight, low_precision_linear
+from lp_lightning.functional.grouped_linear import _GroupedSwiGLUFunction, low_precision_grouped_swiglu, swiglu_backward
+from lp_lightning.functional.linear import _LowPrecisionLinearFunction, is_low_precision_weight, low_precision_linear
+
+LOW_PRECISION_BACKWARD_NODES: frozenset[str] = frozenset(
+    f"{fn.__name__}Backward" for fn in (_LowPrecisionLinearFunction, _GroupedSwiGLUFunction)
+)
+"""Names of the autograd backward nodes of the low-precision functions (``torch._C._current_autograd_node().name()``):
+probes attribute GEMMs inside them to a replaced module."""
 
 __all__ = [
+    "LOW_PRECISION_BACKWARD_NODES",
     "is_low_precision_weight",
     "low_precision_grouped_swiglu",
     "low_precision_linear",

@@ -336,8 +336,8 @@ def low_precision_grouped_swiglu(
         weight_format = select_weight(weight, "col", who=who, name=name).format
         if weight_format is not recipe.format:
             raise ValueError(
-                f"{who}: {name} holds {weight_format.value} operands but recipe {recipe.name!r} is "
-                f"{recipe.format.value}; build the weights with the same recipe."
+                f"{who}: {name} holds {weight_format.name} operands but recipe {recipe.name!r} is "
+                f"{recipe.format.name}; build the weights with the same recipe."
             )
     return _GroupedSwiGLUFunction.apply(
         x, group_list, gate_up_weight, down_weight, recipe, activation_dtype(x), torch.is_grad_enabled()

@@ -1,7 +1,7 @@
 """Dense low-precision linear autograd: fprop, dgrad and wgrad all on quantized operands (design spec §8).
 
 ``low_precision_linear(input, weight, bias, recipe=...)`` is ``F.linear`` whose three GEMMs run
-through ``lp_lightning.ops.low_precision_matmul`` with the operand roles and orientations of seed
+through ``lp_lightning.ops.low_precision_matmul`` with the operand roles and orientations of design spec
 §8 (layouts as in the ``lp_lightning.ops`` contract)::
 
     fprop  y_MN  = x_MK · w_NKᵀ    "NT"   INPUT_FWD row    × WEIGHT_FWD row  (weight.select("row"))
@@ -11,10 +11,10 @@ through ``lp_lightning.ops.low_precision_matmul`` with the operand roles and ori
 There is no high-precision GEMM on any path: an operand that cannot be quantized, or a backend
 that cannot run, raises.
 
-The weight. ``weight`` is the module's persistent low-precision weight tensor (requirement R1 (docs/design.md), seed
+The weight. ``weight`` is the module's persistent low-precision weight tensor (requirement R1 (docs/design.md), design spec
 §7.2–7.3): a tensor of the logical parameter shape ``[N, K]`` whose ``select(orientation)``
 returns a ``QuantizedOperand`` in the GEMM view, as a lookup, never a requantisation (a
-``QuantizedWeightTensor`` from ``lp_lightning.formats.weight``, or what its FSDP2
+``QuantizedWeightTensor`` from ``lp_lightning.tensor.weight``, or what its FSDP2
 ``fsdp_post_all_gather`` returned). This function never quantizes the weight: the operand the
 GEMM uses was derived from the FP32 master once per optimizer step (design spec §8.1–8.2). It is an input
 of the autograd function, so autograd returns its gradient — a plain tensor of the parameter's
@@ -55,9 +55,10 @@ from typing import Any
 
 import torch
 
-from lp_lightning.formats.operand import LowPrecisionFormat, Orientation, QuantizationRole, QuantizedOperand
+from lp_lightning.formats.operand import Orientation, QuantizationRole, QuantizedOperand
+from lp_lightning.formats.spec import FormatSpec
 from lp_lightning.formats.recipe import LowPrecisionRecipe
-from lp_lightning.ops import GemmRole, gemm_role, low_precision_matmul
+from lp_lightning.ops import GemmRole, gemm_role, low_precision_matmul, quantize
 
 __all__ = [
     "activation_dtype",
@@ -109,7 +110,7 @@ def select_weight(weight: torch.Tensor, orientation: Orientation, *, who: str, n
             f"{who}: {name} is a plain {type(weight).__name__} of shape {tuple(weight.shape)}; the low-precision "
             "GEMMs need the persistent low-precision weight derived from the FP32 master (a tensor with "
             "select(orientation), design spec §7.2-7.3). Build it once after init with "
-            "lp_lightning.formats.weight (finalize_low_precision_weights / QuantizedWeightTensor.from_master); "
+            "lp_lightning.integration.finalize_low_precision_weights (or QuantizedWeightTensor.from_master); "
             "the weight is never quantized per call and there is no high-precision fallback."
         )
     operand = weight.select(orientation)
@@ -149,10 +150,10 @@ def quantize_for_gemms(
     operands = []
     for role, orientation in requests:
         quantizer = recipe.quantizer(role)
-        layout_key = "shared" if quantizer.format is LowPrecisionFormat.HIF8 else orientation
+        layout_key = orientation if quantizer.format.physical_orientation else "shared"
         key = (id(quantizer), layout_key)
         if key not in done:
-            done[key] = quantizer.quantize(tensor, orientation=orientation, group_list=group_list)
+            done[key] = quantize(quantizer, tensor, orientation=orientation, group_list=group_list)
         operands.append(done[key].with_orientation(orientation))
     return tuple(operands)
 
@@ -177,7 +178,7 @@ class _OperandMeta:
     """The non-tensor fields of a ``QuantizedOperand`` kept on ``ctx`` (tensors are saved)."""
 
     logical_dtype: torch.dtype
-    format: LowPrecisionFormat
+    format: FormatSpec
     orientation: str
     format_max: float | None
     has_group_list: bool
@@ -339,8 +340,8 @@ def low_precision_linear(
     weight_format = select_weight(weight, "row", who=who).format
     if weight_format is not recipe.format:
         raise ValueError(
-            f"{who}: weight holds {weight_format.value} operands but recipe {recipe.name!r} is "
-            f"{recipe.format.value}; build the weight with the same recipe."
+            f"{who}: weight holds {weight_format.name} operands but recipe {recipe.name!r} is "
+            f"{recipe.format.name}; build the weight with the same recipe."
         )
     save_for_wgrad = torch.is_grad_enabled() and weight.requires_grad
     return _LowPrecisionLinearFunction.apply(input, weight, bias, recipe, activation_dtype(input), save_for_wgrad)

@@ -7,7 +7,7 @@ The plugin owns everything precision-specific that the strategy must not hard-co
 constructor, naming the choices, before any model exists.
 
 Lifecycle (design spec §12.1; the strategy calls these in this order, see
-:mod:`lp_lightning.distributed.fsdp` and :mod:`lp_lightning.distributed.fsdp_extension`)::
+:mod:`lp_lightning.distributed.fsdp` and :mod:`lp_lightning.integration`)::
 
     configure_sharding(reshard_after_forward=..., activation_checkpoint=...)   # strategy, first
     convert_module(model)        # 1. compile the replacement plan on a META twin of model.config
@@ -22,7 +22,7 @@ Lifecycle (design spec §12.1; the strategy calls these in this order, see
     rebuild_after_load(model)    # after a DCP load restored the FP32 masters: ONE refresh
 
 In ``bf16`` nothing of this runs: ``convert_module`` returns the module untouched and imports
-neither :mod:`lp_lightning.plan`, the format layer (:mod:`lp_lightning.formats.weight`) nor
+neither :mod:`lp_lightning.plan`, the low-precision layers (:mod:`lp_lightning.integration`, :mod:`lp_lightning.formats`) nor
 ``torch_npu``; no weight is refreshed (design spec §13.1, R3).
 
 Skipped steps. With ``skip_nonfinite_steps=True`` (default, all precisions) the plugin runs the
@@ -38,7 +38,7 @@ nothing is refreshed and it is not counted as applied.
 Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("mxfp8")]``), which
 bypasses the built-in precision strings of Lightning's connector. There is no
 autocast: FSDP2's ``MixedPrecisionPolicy`` casts the gathered plain weights to BF16, the
-low-precision weights are gathered as 8-bit payloads (:mod:`lp_lightning.formats.weight`), and HF
+low-precision weights are gathered as 8-bit payloads (:mod:`lp_lightning.integration.gather`), and HF
 modules keep the activations in the weights' dtype.
 """
 
@@ -170,7 +170,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
 
         The MXFP8 weights need it at finalize time: FSDP2 sizes each weight's all-gather buffers
         once, so whether a gather carries one orientation or both is fixed per run
-        (:func:`~lp_lightning.distributed.fsdp_extension.gather_policy_for`). After this call
+        (:func:`~lp_lightning.integration.gather_policy_for`). After this call
         ``convert_module`` leaves the storage unbuilt (``build=False``): ``fully_shard`` replaces
         every parameter by a fresh shard that the strategy's refresh builds.
 
@@ -191,7 +191,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
                 "configure_sharding must run before convert_module: the MXFP8 gather policy is fixed when the "
                 "low-precision weights are finalized."
             )
-        from lp_lightning.distributed.fsdp_extension import gather_policy_for
+        from lp_lightning.integration import gather_policy_for
 
         self._gather_policy = gather_policy_for(
             reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint
@@ -229,7 +229,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         """
         if not self.policy.enabled:
             return module
-        from lp_lightning.formats import weight as lp_weight
+        from lp_lightning import integration as lp_weight
         from lp_lightning.models.deepseek_v3 import build_meta_model
         from lp_lightning.plan import compile_plan
 
@@ -270,7 +270,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         """
         if not self.policy.enabled:
             return
-        from lp_lightning.distributed.refresh import refresh_low_precision_weights
+        from lp_lightning.integration import refresh_low_precision_weights
 
         refresh_low_precision_weights(resolve_causal_lm(module).parameters())
         self.refreshes["resume"] += 1
@@ -303,7 +303,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.optimizer_steps_applied += 1
         self.last_step_applied = True
         if self.policy.enabled:
-            from lp_lightning.distributed.refresh import refresh_low_precision_weights
+            from lp_lightning.integration import refresh_low_precision_weights
 
             refresh_low_precision_weights(params)
             self.refreshes["step"] += 1

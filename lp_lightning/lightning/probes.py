@@ -32,16 +32,17 @@ LM head): a positive control that the probe sees GEMMs at all. Codec kernels run
 probe is active (``set_compiled_kernels(False)``; bit-identical by contract), because
 ``torch.compile`` does not trace under a Python dispatch mode.
 
-**Refreshes** (:class:`RefreshCounter`): ``lp_lightning.distributed.refresh.RefreshRecorder``
+**Refreshes** (:class:`RefreshCounter`): ``lp_lightning.integration.RefreshRecorder``
 counts every storage build of every low-precision weight; the counter splits them per optimizer
 step (and reports the largest number of builds of one weight in one step, which must be 1).
 
 **Wire** (:class:`WireRecorder`), while active (training steps only, not validation):
 
-- per low-precision weight gather: FSDP2 calls ``QuantizedWeightTensor.fsdp_pre_all_gather`` on
-  the local shard right before it copies the all-gather inputs in; the recorder wraps that method
-  (restored on exit) and records the parameter FQN, phase (forward/backward), orientations and
-  the physical tensors it returned (dtype, shape, bytes). It never touches their contents.
+- per low-precision weight gather: FSDP2 calls the weight's pre-all-gather hook on the local
+  shard right before it copies the all-gather inputs in; the lifecycle layer reports each call to
+  its public gather observers (``lp_lightning.integration.add_gather_observer``), and the
+  recorder records the parameter FQN, phase (forward/backward), orientations and the physical
+  tensors (dtype, shape, bytes). It never touches their contents.
 - per collective: the recorder wraps ``torch.distributed.all_gather_single`` and
   ``torch.distributed.reduce_scatter_single`` (what FSDP2's default collectives call) and records
   dtype and bytes of this rank's input. FSDP2 packs one unit's inputs into one buffer and views it
@@ -261,12 +262,9 @@ class HighPrecisionGemmProbe(Callback):
         replaced = replaced_modules(model)
         self.watched_modules = len(replaced)
         if replaced:
-            from lp_lightning.functional import grouped_linear, linear
+            from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES
 
-            self._backward_nodes = frozenset(
-                f"{cls.__name__}Backward"
-                for cls in (linear._LowPrecisionLinearFunction, grouped_linear._GroupedSwiGLUFunction)
-            )
+            self._backward_nodes = LOW_PRECISION_BACKWARD_NODES
         for module in model.modules():
             self._handles.append(module.register_forward_pre_hook(self._enter("_forward_depth")))
             self._handles.append(module.register_forward_hook(self._exit("_forward_depth"), always_call=True))
@@ -324,7 +322,7 @@ class RefreshCounter:
     """
 
     def __init__(self) -> None:
-        from lp_lightning.distributed.refresh import RefreshRecorder
+        from lp_lightning.integration import RefreshRecorder
 
         self._recorder = RefreshRecorder()
         self._seen = 0
@@ -442,14 +440,13 @@ class WireRecorder:
         self._hooks: list[Any] = []
 
     # -- observation -------------------------------------------------------------------------------
-    def _on_weight_gather(
-        self, weight: Any, outputs: tuple[torch.Tensor, ...], metadata: Any, *, local: bool = False
-    ) -> None:
+    def _on_weight_gather(self, gather: Any) -> None:
+        outputs, local = gather.tensors, gather.local
         tensors = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in outputs)
         event = WeightGather(
-            fqn=weight.fqn,
-            phase=str(getattr(metadata, "phase", "?")),
-            orientations=tuple(getattr(metadata, "orientations", ())),
+            fqn=gather.fqn,
+            phase=str(gather.phase),
+            orientations=tuple(gather.orientations),
             tensors=tensors,
             bytes=sum(t.numel() * t.element_size() for t in outputs),
         )
@@ -505,11 +502,11 @@ class WireRecorder:
     def _check_module_weights(self, module: nn.Module) -> None:
         if self._paused:
             return
-        weight_module = sys.modules.get("lp_lightning.formats.weight")
+        weight_module = sys.modules.get("lp_lightning.tensor.weight")
         names = getattr(type(module), "low_precision_weight_names", ())
         for name in names:
             param = getattr(module, name, None)
-            low = weight_module is not None and isinstance(param, weight_module._LowPrecisionWeightBase)
+            low = weight_module is not None and weight_module.is_low_precision_weight(param)
             if not low:
                 self._step_hp += 1
                 if self.steps < self.trace_steps:
@@ -550,21 +547,10 @@ class WireRecorder:
         wrap("reduce_scatter_single", "reduce_scatter", 1)
         wrap("all_reduce", "all_reduce", 0)
 
-        weight_module = sys.modules.get("lp_lightning.formats.weight")
-        if weight_module is not None:
-            cls = weight_module.QuantizedWeightTensor
-            original_pre = cls.fsdp_pre_all_gather
-
-            @functools.wraps(original_pre)  # FSDP2 inspects the signature (5 parameters)
-            def pre_all_gather(self_: Any, *args: Any, **kwargs: Any) -> Any:
-                outputs, metadata = original_pre(self_, *args, **kwargs)
-                mesh = args[0] if args else kwargs.get("mesh")
-                local = mesh is not None and mesh.size() == 1
-                recorder._on_weight_gather(self_, tuple(outputs), metadata, local=local)
-                return outputs, metadata
-
-            cls.fsdp_pre_all_gather = pre_all_gather
-            self._stack.callback(setattr, cls, "fsdp_pre_all_gather", original_pre)
+        gather = sys.modules.get("lp_lightning.integration.gather")
+        if gather is not None:  # the public gather observers (loaded whenever a weight can be gathered)
+            handle = gather.add_gather_observer(self._on_weight_gather)
+            self._stack.callback(handle.remove)
         if model is not None:
             for _, module in replaced_modules(model):
                 self._hooks.append(module.register_forward_pre_hook(lambda m, args: recorder._check_module_weights(m)))

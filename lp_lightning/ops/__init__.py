@@ -1,20 +1,33 @@
-"""Low-precision GEMMs behind one interface, with ``emulated`` and ``npu`` backends (design spec §8, §13.4).
+"""Low-precision quantize and GEMMs behind one interface, on plug-in backends (design spec §8, §13.4).
 
-Importing this package never imports ``torch_npu``; only selecting/using the ``npu`` backend does.
-See ``lp_lightning.ops.api`` for the layout/orientation contract.
+- :mod:`lp_lightning.ops.api` — ``quantize``/``quantize_dual`` and ``low_precision_matmul``/
+  ``low_precision_grouped_matmul`` with their layout/orientation contract;
+- :mod:`lp_lightning.ops.backend` — the ``Backend`` protocol, the backend registry and the choice
+  (``auto``, ``emulated``, ``npu``);
+- :mod:`lp_lightning.ops.emulated`, :mod:`lp_lightning.ops.npu` — one file per backend;
+- :mod:`lp_lightning.ops.trace` — GEMM roles and the public GEMM observers.
+
+Importing this package never imports ``torch_npu``; only using the ``npu`` backend does.
 """
 
 from lp_lightning.ops.api import (
-    BackendName,
     Layout,
-    get_backend,
     low_precision_grouped_matmul,
     low_precision_matmul,
+    quantize,
+    quantize_dual,
+)
+from lp_lightning.ops.backend import (
+    Backend,
+    BackendName,
+    LowPrecisionUnsupportedError,
+    backend_names,
+    get_backend,
+    register_backend,
     resolve_backend,
     set_backend,
     use_backend,
 )
-from lp_lightning.ops.capability import LowPrecisionUnsupportedError, check_npu_capability
 from lp_lightning.ops.trace import (
     GemmRole,
     GemmTraceEvent,
@@ -25,19 +38,23 @@ from lp_lightning.ops.trace import (
 )
 
 __all__ = [
+    "Backend",
     "BackendName",
     "GemmRole",
     "GemmTraceEvent",
     "Layout",
     "LowPrecisionUnsupportedError",
     "add_gemm_observer",
-    "check_npu_capability",
+    "backend_names",
     "current_gemm_role",
     "gemm_role",
     "get_backend",
     "low_precision_grouped_matmul",
     "low_precision_matmul",
+    "quantize",
+    "quantize_dual",
     "record_gemms",
+    "register_backend",
     "resolve_backend",
     "set_backend",
     "use_backend",

@@ -6,8 +6,9 @@ and ``low_precision_grouped_matmul(left, right, group_list, ...)`` the same per 
 transpose. Operands are ``QuantizedOperand``s of one format; the GEMM accumulates in FP32 and
 rounds once to ``output_dtype``. There is no high-precision path: an unsupported case raises.
 
-The contract (MXFP8: both operands carry their 32-blocks along the contraction dim, so the
-orientation is fixed by the layout and checked; HiF8: orientation is metadata and not checked):
+The contract (a format with physical orientation, MXFP8: both operands carry their 32-blocks
+along the contraction dim, so the orientation is fixed by the layout and checked; HiF8:
+orientation is metadata and not checked):
 
 =============  ======  =======================  =========================  ===========
 GEMM           layout  left                     right                      result
@@ -28,10 +29,9 @@ is its transpose. Tokens are sorted by group; ``group_list`` holds the ``int64 [
 dgrad) and an exactly zero ``[K, N]`` slice (wgrad). This is design spec §8's orientation table: forward
 weight row for Dense / col for Grouped, dgrad weight col for Dense / row for Grouped.
 
-Backends: ``"emulated"`` (exact decode + FP32 matmul, any torch device) and ``"npu"`` (torch_npu
-quant MM/GMM). ``"auto"`` (the default) picks ``npu`` for operands on an ``npu`` device when
-``check_npu_capability`` passes, else ``emulated``. Select with ``set_backend``, the ``use_backend``
-context manager, or ``backend=`` per call (that order of precedence, innermost first).
+Quantisation goes through the backend too (:func:`quantize`, :func:`quantize_dual`): the
+``emulated`` backend runs the quantizer's portable codec, ``npu`` torch_npu's quantize ops.
+Backends and their choice (``auto``, ``emulated``, ``npu``): :mod:`lp_lightning.ops.backend`.
 
 Tensor-name legend: ``M`` rows, ``K`` contraction, ``N`` output columns, ``T`` tokens, ``E``
 groups (experts).
@@ -39,149 +39,87 @@ groups (experts).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Iterator, Literal, Protocol, get_args
+from typing import Literal, get_args
 
 import torch
 
-from lp_lightning.formats.operand import LowPrecisionFormat, QuantizedOperand
+from lp_lightning.formats.operand import QuantizedOperand
+from lp_lightning.formats.quantizer import Quantizer
+from lp_lightning.formats.spec import FormatSpec, Orientation
 from lp_lightning.ops import trace
-from lp_lightning.ops.capability import check_npu_capability, npu_capability_error
+from lp_lightning.ops.backend import BackendName, get_backend_impl, resolve_backend
 
 __all__ = [
-    "BackendName",
-    "GemmBackend",
     "Layout",
-    "get_backend",
     "low_precision_grouped_matmul",
     "low_precision_matmul",
-    "resolve_backend",
-    "set_backend",
-    "use_backend",
+    "quantize",
+    "quantize_dual",
 ]
 
 Layout = Literal["NN", "NT", "TN"]
-BackendName = Literal["auto", "emulated", "npu"]
 
 _LAYOUTS: tuple[str, ...] = get_args(Layout)
-_BACKENDS: tuple[str, ...] = get_args(BackendName)
 _OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class GemmBackend(Protocol):
-    """What a backend implements. Inputs arrive validated against the contract above."""
-
-    name: str
-
-    def matmul(
-        self, left: QuantizedOperand, right: QuantizedOperand, layout: Layout, output_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Dense ``op(left) @ op(right)``."""
-        ...
-
-    def grouped_matmul(
-        self,
-        left: QuantizedOperand,
-        right: QuantizedOperand,
-        group_list: torch.Tensor,
-        layout: Layout,
-        output_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """Grouped GEMM (see the table above)."""
-        ...
-
-
 # ------------------------------------------------------------------------------------------------
-# Backend selection.
-
-_global_backend: BackendName = "auto"
-_scoped_backend: contextvars.ContextVar[BackendName | None] = contextvars.ContextVar(
-    "lp_lightning_gemm_backend", default=None
-)
+# Quantize.
 
 
-def _parse_backend(name: object, who: str) -> BackendName:
-    if name not in _BACKENDS:
-        raise ValueError(f"{who}: backend={name!r}; legal values: 'auto', 'emulated', 'npu'.")
-    return name  # type: ignore[return-value]
-
-
-def set_backend(name: BackendName) -> None:
-    """Select the GEMM/quantize backend for this process (default ``"auto"``).
+def quantize(
+    quantizer: Quantizer,
+    tensor: torch.Tensor,
+    *,
+    orientation: Orientation,
+    group_list: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    backend: BackendName | None = None,
+) -> QuantizedOperand:
+    """``quantizer``'s operand of ``tensor``, computed by the backend in force for its device.
 
     Args:
-        name: ``"auto"``, ``"emulated"`` or ``"npu"``. Selecting ``"npu"`` does not import
-            torch_npu yet; the first call with a format runs ``check_npu_capability`` for it.
-
-    Raises:
-        ValueError: for an unknown name.
-    """
-    global _global_backend
-    _global_backend = _parse_backend(name, "set_backend")
-
-
-def get_backend() -> BackendName:
-    """The backend name in force here: the innermost ``use_backend``, else ``set_backend``'s."""
-    scoped = _scoped_backend.get()
-    return scoped if scoped is not None else _global_backend
-
-
-@contextlib.contextmanager
-def use_backend(name: BackendName) -> Iterator[BackendName]:
-    """Select a backend for the calls made inside the block (context-local; nests).
-
-    Args:
-        name: ``"auto"``, ``"emulated"`` or ``"npu"``.
-
-    Raises:
-        ValueError: for an unknown name.
-    """
-    token = _scoped_backend.set(_parse_backend(name, "use_backend"))
-    try:
-        yield name
-    finally:
-        _scoped_backend.reset(token)
-
-
-def resolve_backend(
-    format: LowPrecisionFormat | str, device: torch.device | str, backend: BackendName | None = None
-) -> Literal["emulated", "npu"]:
-    """The concrete backend a call with ``format`` on ``device`` uses.
-
-    Args:
-        format: The operands' format.
-        device: The operands' device (a ``torch.device`` or a string such as ``"npu:0"``).
-        backend: Explicit choice for this call; None uses ``get_backend()``.
+        quantizer: A role's quantizer (``recipe.quantizer(role)``).
+        tensor: High-precision tensor (float32/bfloat16/float16).
+        orientation: ``"row"`` or ``"col"`` (the GEMM contract of design spec §8 picks it).
+        group_list: Optional ``int64 [G]`` row counts of a token-sorted 2-D tensor.
+        amax: Optional precomputed amax (current-scaling formats only).
+        backend: Optional per-call backend.
 
     Returns:
-        ``"emulated"`` or ``"npu"``. ``"auto"`` resolves to ``"npu"`` only for an ``npu`` device
-        whose capability check passes (torch_npu is imported only in that case).
+        The operand, bit-identical on every backend (the portable codec is the reference).
 
     Raises:
-        ValueError: for an unknown backend name.
-        LowPrecisionUnsupportedError: if ``"npu"`` is selected explicitly and the gate fails.
+        TypeError, ValueError: as the quantizer.
+        LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
     """
-    name = get_backend() if backend is None else _parse_backend(backend, "backend")
-    if name == "emulated":
-        return "emulated"
-    if name == "npu":
-        check_npu_capability(format)
-        return "npu"
-    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    if device_type == "npu" and npu_capability_error(format) is None:
-        return "npu"
-    return "emulated"
+    name = resolve_backend(quantizer.format, tensor.device, backend)
+    return get_backend_impl(name).quantize(
+        quantizer, tensor, orientation=orientation, group_list=group_list, amax=amax
+    )
 
 
-def _backend_impl(name: Literal["emulated", "npu"]) -> GemmBackend:
-    if name == "npu":
-        from lp_lightning.ops import npu
+def quantize_dual(
+    quantizer: Quantizer,
+    tensor: torch.Tensor,
+    *,
+    amax: torch.Tensor | None = None,
+    backend: BackendName | None = None,
+) -> tuple[QuantizedOperand, QuantizedOperand]:
+    """``(row, col)`` operands of ``tensor`` in one call (a persistent weight's storage, design spec §7.2).
 
-        return npu.BACKEND
-    from lp_lightning.ops import emulated
+    Args:
+        quantizer: The weight role's quantizer.
+        tensor: ≥ 2-D high-precision tensor (``w_NK``, or ``w_EKN`` of a grouped weight).
+        amax: Optional precomputed amax (current-scaling formats only).
+        backend: Optional per-call backend.
 
-    return emulated.BACKEND
+    Raises:
+        TypeError, ValueError: as the quantizer.
+        LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
+    """
+    name = resolve_backend(quantizer.format, tensor.device, backend)
+    return get_backend_impl(name).quantize_dual(quantizer, tensor, amax=amax)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,7 +135,7 @@ def _required_orientations(layout: str) -> tuple[str, str]:
 
 def _check_common(
     who: str, left: object, right: object, layout: object, output_dtype: object
-) -> LowPrecisionFormat:
+) -> FormatSpec:
     for name, operand in (("left", left), ("right", right)):
         if not isinstance(operand, QuantizedOperand):
             raise TypeError(
@@ -213,20 +151,19 @@ def _check_common(
         )
     if left.format is not right.format:
         raise ValueError(
-            f"{who}: left is {left.format.value} but right is {right.format.value}; "
+            f"{who}: left is {left.format.name} but right is {right.format.name}; "
             "both operands must share one format."
         )
     if left.device != right.device:
         raise ValueError(f"{who}: left is on {left.device} but right is on {right.device}; move them to one device.")
-    if left.format is LowPrecisionFormat.MXFP8_E4M3:
+    if left.format.physical_orientation:
         need_left, need_right = _required_orientations(layout)  # type: ignore[arg-type]
         for name, operand, need in (("left", left, need_left), ("right", right, need_right)):
             if operand.orientation != need:
                 raise ValueError(
                     f"{who}: layout {layout!r} contracts the {name} operand along dim "
-                    f"{-1 if need == 'row' else -2}, so an MXFP8 {name} operand must be {need!r} (32-blocks "
-                    f"along that dim); got {operand.orientation!r} with shape {tuple(operand.shape)}. "
-                    f"Quantize it with orientation={need!r}."
+                    f"{-1 if need == 'row' else -2}, so an {left.format.label} {name} operand must be {need!r}; got "
+                    f"{operand.orientation!r} with shape {tuple(operand.shape)}. Quantize it with orientation={need!r}."
                 )
     return left.format
 
@@ -300,10 +237,10 @@ def low_precision_matmul(
         )
     role = _check_role(who, grouped=False, layout=layout)
     name = resolve_backend(fmt, left.device, backend)
-    out = _backend_impl(name).matmul(left, right, layout, output_dtype)
+    out = get_backend_impl(name).matmul(left, right, layout, output_dtype)
     _check_result(who, name, out, (m, n), output_dtype)
     trace.emit(
-        op=who, backend=name, format=fmt.value, layout=layout, left_shape=left.shape, right_shape=right.shape,
+        op=who, backend=name, format=fmt.name, layout=layout, left_shape=left.shape, right_shape=right.shape,
         output=out, num_groups=None, gemm_role=role,
     )
     return out
@@ -362,19 +299,18 @@ def low_precision_grouped_matmul(
                 f"{who}: layout 'TN' (wgrad x_gᵀ·dy_g) needs left [T, K] and right [T, N] with the same T, "
                 f"got left {tuple(left.shape)} and right {tuple(right.shape)}."
             )
-        if fmt is LowPrecisionFormat.MXFP8_E4M3:
+        if fmt.physical_orientation:
             for name, operand in (("left", left), ("right", right)):
                 if operand.group_list is None:
                     raise ValueError(
-                        f"{who}: the MXFP8 wgrad {name} operand was quantized without group_list, so its "
-                        "32-row blocks may straddle two groups; quantize it with orientation='col' and this "
-                        "group_list."
+                        f"{who}: the {fmt.name} wgrad {name} operand was quantized without group_list, so its "
+                        "blocks may straddle two groups; quantize it with orientation='col' and this group_list."
                     )
                 if operand.group_list is not group_list and not torch.equal(
                     operand.group_list.to(group_list.device), group_list
                 ):
                     raise ValueError(
-                        f"{who}: the MXFP8 wgrad {name} operand was quantized with group_list "
+                        f"{who}: the {fmt.name} wgrad {name} operand was quantized with group_list "
                         f"{operand.group_list.tolist()} but the GEMM got {group_list.tolist()}."
                     )
         out_shape: tuple[int, ...] = (num_groups, left.shape[1], right.shape[1])
@@ -399,10 +335,10 @@ def low_precision_grouped_matmul(
         out_shape = (tokens, n)
     role = _check_role(who, grouped=True, layout=layout)
     name = resolve_backend(fmt, left.device, backend)
-    out = _backend_impl(name).grouped_matmul(left, right, group_list, layout, output_dtype)
+    out = get_backend_impl(name).grouped_matmul(left, right, group_list, layout, output_dtype)
     _check_result(who, name, out, out_shape, output_dtype)
     trace.emit(
-        op=who, backend=name, format=fmt.value, layout=layout, left_shape=left.shape, right_shape=right.shape,
+        op=who, backend=name, format=fmt.name, layout=layout, left_shape=left.shape, right_shape=right.shape,
         output=out, num_groups=num_groups, gemm_role=role,
     )
     return out

@@ -1,9 +1,11 @@
-"""The ``emulated`` backend: exact decode, FP32 matmul, one rounding (docs/design.md "Where it runs").
+"""The ``emulated`` backend: portable quantizers, exact decode, FP32 matmul, one rounding (docs/design.md "Where it runs").
 
 It is the reference the ``npu`` backend is checked against and what CPU runs use. It runs on any
 torch device and is labelled ``"emulated"`` in every trace event.
 
-Numerics, per format:
+Quantisation runs the quantizer's portable codec (the format package's bit-exact reference). Each
+GEMM asks the operands' ``FormatSpec`` for its exact factors (``gemm_factors``): FP32 values to
+multiply, and a scale for the FP32 product (or none). Per format:
 
 - MXFP8: each operand is dequantized per 32-block to FP32 *before* accumulation
   (``lp_lightning.formats.mxfp8.dequantize``). An E4M3 value (4 significant bits, |v| ≤ 448) times
@@ -32,8 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from lp_lightning.formats import hif8
-from lp_lightning.formats.operand import LowPrecisionFormat, QuantizedOperand
+from lp_lightning.formats.operand import QuantizedOperand
+from lp_lightning.formats.quantizer import Quantizer
+from lp_lightning.formats.spec import FormatSpec, Orientation
 
 __all__ = ["BACKEND", "EmulatedBackend", "group_counts"]
 
@@ -53,27 +56,6 @@ def group_counts(group_list: torch.Tensor, tokens: int, who: str) -> list[int]:
     return counts
 
 
-def _decoded(operand: QuantizedOperand) -> torch.Tensor:
-    """FP32 values of the operand's data: MX fully dequantized (exact), HiF8 codes unscaled."""
-    if operand.format is LowPrecisionFormat.MXFP8_E4M3:
-        return operand.dequantize(torch.float32)
-    return hif8.decode(operand.data, torch.float32)
-
-
-def _decoded_group(operand: QuantizedOperand, g: int) -> torch.Tensor:
-    """FP32 values of group ``g`` of a 3-D weight operand (MX: that group's blocks only)."""
-    if operand.format is LowPrecisionFormat.MXFP8_E4M3:
-        one = QuantizedOperand(
-            data=operand.data[g],
-            scale=operand.scale[g],
-            logical_dtype=operand.logical_dtype,
-            format=operand.format,
-            orientation=operand.orientation,
-        )
-        return one.dequantize(torch.float32)
-    return hif8.decode(operand.data[g], torch.float32)
-
-
 def _no_autocast(method):
     """Run ``method`` with autocast off on the operands' device: the FP32 matmul of decoded
     operands must stay FP32 even when the caller runs under BF16 autocast."""
@@ -90,22 +72,52 @@ def _op(matrix: torch.Tensor, transpose: bool) -> torch.Tensor:
     return matrix.transpose(-2, -1) if transpose else matrix
 
 
+def _scaled(product: torch.Tensor, left_scale: torch.Tensor | None, right_scale: torch.Tensor | None) -> torch.Tensor:
+    """Apply the operands' product scales to an FP32 product (their product first, as the hardware)."""
+    if left_scale is None and right_scale is None:
+        return product
+    if left_scale is None or right_scale is None:
+        return product * (left_scale if right_scale is None else right_scale)
+    return product * (left_scale * right_scale)
+
+
 class EmulatedBackend:
-    """Exact software model of the low-precision GEMMs (see the module docstring)."""
+    """Exact software model of the low-precision quantize and GEMMs (see the module docstring)."""
 
     name = "emulated"
+
+    def capability_error(self, format: FormatSpec) -> None:
+        """Always ``None``: the emulation runs every registered format on every torch device."""
+        return None
+
+    def quantize(
+        self,
+        quantizer: Quantizer,
+        tensor: torch.Tensor,
+        *,
+        orientation: Orientation,
+        group_list: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
+    ) -> QuantizedOperand:
+        """The quantizer's portable codec (``amax`` passed only when given)."""
+        kwargs = {} if amax is None else {"amax": amax}
+        return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, **kwargs)
+
+    def quantize_dual(
+        self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None
+    ) -> tuple[QuantizedOperand, QuantizedOperand]:
+        """Both orientations from the quantizer's portable codec."""
+        return quantizer.quantize_dual(tensor) if amax is None else quantizer.quantize_dual(tensor, amax=amax)
 
     @_no_autocast
     def matmul(
         self, left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype
     ) -> torch.Tensor:
         """Dense ``op(left) @ op(right)``; inputs already validated by ``lp_lightning.ops.api``."""
-        a_MK = _op(_decoded(left), layout[0] == "T")
-        b_KN = _op(_decoded(right), layout[1] == "T")
-        out_MN = a_MK @ b_KN
-        if left.format is LowPrecisionFormat.HIF8:
-            out_MN = out_MN * (left.scale * right.scale)
-        return out_MN.to(output_dtype)
+        a_MK, left_scale = left.format.gemm_factors(left)
+        b_KN, right_scale = right.format.gemm_factors(right)
+        out_MN = _op(a_MK, layout[0] == "T") @ _op(b_KN, layout[1] == "T")
+        return _scaled(out_MN, left_scale, right_scale).to(output_dtype)
 
     @_no_autocast
     def grouped_matmul(
@@ -119,35 +131,30 @@ class EmulatedBackend:
         """Grouped GEMM; see ``lp_lightning.ops.api.low_precision_grouped_matmul`` for the contract."""
         tokens = left.shape[0]
         counts = group_counts(group_list, tokens, "low_precision_grouped_matmul")
-        hif8_scales = left.format is LowPrecisionFormat.HIF8
-        rows_TC = _decoded(left)
+        rows_TC, left_scale = left.format.gemm_factors(left)
         device = left.device
         if layout == "TN":  # wgrad: out[g] = x_gᵀ · dy_g
-            dy_TN = _decoded(right)
+            dy_TN, right_scale = right.format.gemm_factors(right)
             out_EKN = torch.zeros((len(counts), left.shape[1], right.shape[1]), dtype=output_dtype, device=device)
-            pair_scale = left.scale * right.scale if hif8_scales else None
             start = 0
             for g, count in enumerate(counts):
                 if count:
                     rows = slice(start, start + count)
                     out_KN = rows_TC[rows].transpose(0, 1) @ dy_TN[rows]
-                    if pair_scale is not None:
-                        out_KN = out_KN * pair_scale
-                    out_EKN[g] = out_KN.to(output_dtype)
+                    out_EKN[g] = _scaled(out_KN, left_scale, right_scale).to(output_dtype)
                 start += count
             return out_EKN
         # fprop (NN): out_g = x_g · W_g ; dgrad (NT): out_g = dy_g · W_gᵀ, W in the GMM view [E, K, N].
+        # Weights are decoded one group at a time: a [E, K, N] weight is never all FP32 at once.
         width = right.shape[2] if layout == "NN" else right.shape[1]
         out_TC = torch.empty((tokens, width), dtype=output_dtype, device=device)
         start = 0
         for g, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                w_KN = _op(_decoded_group(right, g), layout[1] == "T")
-                out_g = rows_TC[rows] @ w_KN
-                if hif8_scales:
-                    out_g = out_g * (left.scale * right.scale[g])
-                out_TC[rows] = out_g.to(output_dtype)
+                w_KN, right_scale = right.format.gemm_factors_group(right, g)
+                out_g = rows_TC[rows] @ _op(w_KN, layout[1] == "T")
+                out_TC[rows] = _scaled(out_g, left_scale, right_scale).to(output_dtype)
             start += count
         return out_TC
 

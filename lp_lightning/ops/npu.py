@@ -1,4 +1,4 @@
-"""The ``npu`` backend: thin wrappers over torch_npu's quantize / quant-MM / quant-GMM ops.
+"""The ``npu`` backend: thin wrappers over torch_npu's quantize / quant-MM / quant-GMM ops, and its capability check.
 
 Nothing here imports ``torch_npu`` at module level; each wrapper imports it when called (so only
 selecting and using this backend loads it). Every argument the wrappers pass is explicit, so the
@@ -40,22 +40,58 @@ HiF8 GMM scales follow the torchtitan-npu HiF8 GMM (its low-precision guide): th
 activation scale broadcast to ``[T]`` (``per_token_scale``) and the weight's ``[E]`` scale for
 split-M; for wgrad (split-K) both per-tensor scales broadcast to ``[E]``.
 
+Formats are looked up by name in per-format tables (``_KERNELS``, ``REQUIRED_DTYPES``,
+``REQUIRED_OPS``): the backend declares what it implements; a registered format without an entry
+fails the capability check. HiF8 quantisation stays on the portable codec (open questions 2 and
+4 of docs/formats.md), every other call goes to torch_npu.
+
+Capability check (:func:`npu_capability_error`): Capability gate for the ``npu`` backend (design spec §15; requirement R11 (docs/design.md)).
+
+``check_npu_capability(format)`` either returns or raises ``LowPrecisionUnsupportedError`` naming
+the first missing piece, in this order:
+
+1. ``torch_npu`` is not installed → install it with ``pip install 'lp-lightning[npu]'``.
+2. ``torch_npu`` is too old: the custom dtypes ``torch_npu.float8_e8m0fnu`` (MXFP8 scales) /
+   ``torch_npu.hifloat8`` (HiF8 data) first appear in torch_npu v26.0.0 (docs/formats.md §3.1).
+3. No NPU device is visible, or its SoC is not an Ascend 950 (``torch_npu.npu.get_device_name()``
+   must start with ``"Ascend950"``; any such name maps to ``SocVersion::Ascend950``, docs/formats.md
+   §3.2). MX-scaled GEMMs and HiF8 × HiF8 GEMMs exist only on the 950 (aclnnQuantMatmulV5.md).
+4. An op the format's backend calls is missing from ``torch_npu`` (list per format below).
+
+Importing this module never imports ``torch_npu``; only calling the gate does. Successful checks
+are cached per ``torch_npu`` module object (weakly), so the hot path costs a dictionary lookup.
+
 Tensor-name legend: ``scale_*b`` our scales (one entry per 32-block), ``npu_scale_*2`` NPU pair
 layout (trailing dim 2), ``P`` pair rows, ``G`` groups, ``C`` columns.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
+import threading
+import weakref
 from types import ModuleType
 
 import torch
 
-from lp_lightning.formats.operand import MX_BLOCK_SIZE, LowPrecisionFormat, Orientation, QuantizedOperand
+from lp_lightning.formats.mxfp8 import BLOCK_SIZE as MX_BLOCK_SIZE
+from lp_lightning.formats.operand import QuantizedOperand
+from lp_lightning.formats.quantizer import Quantizer
+from lp_lightning.formats.registry import format_spec
+from lp_lightning.formats.spec import FormatSpec, Orientation
+from lp_lightning.ops.backend import LowPrecisionUnsupportedError
 
 __all__ = [
     "BACKEND",
+    "MIN_TORCH_NPU_VERSION",
+    "REQUIRED_DTYPES",
+    "REQUIRED_OPS",
     "NpuBackend",
+    "check_npu_capability",
+    "clear_capability_cache",
+    "npu_capability_error",
     "mx_grouped_scale_from_npu",
     "mx_grouped_scale_to_npu",
     "mx_quantize",
@@ -198,7 +234,131 @@ def mx_grouped_scale_from_npu(npu_scale: torch.Tensor, group_list: torch.Tensor)
 
 
 # ------------------------------------------------------------------------------------------------
-# Quantize (used by MXFP8Quantizer when the npu backend is in force).
+# Capability check.
+
+MIN_TORCH_NPU_VERSION = "v26.0.0"
+"""First torch_npu release line with hifloat8 / float8_e8m0fnu and the A5 op signatures (docs/formats.md §3.1)."""
+
+SOC_PREFIX = "Ascend950"
+
+REQUIRED_DTYPES: dict[str, tuple[str, ...]] = {
+    "mxfp8_e4m3": ("float8_e8m0fnu",),
+    "hif8": ("hifloat8",),
+}
+"""``torch_npu`` attributes (custom dtype ids) each format needs."""
+
+REQUIRED_OPS: dict[str, tuple[str, ...]] = {
+    "mxfp8_e4m3": (
+        "npu_dynamic_mx_quant",
+        "npu_dynamic_mx_quant_with_dual_axis",
+        "npu_grouped_dynamic_mx_quant",
+        "npu_quant_matmul",
+        "npu_grouped_matmul",
+    ),
+    "hif8": ("npu_quant_matmul", "npu_grouped_matmul"),
+}
+"""``torch_npu`` ops the npu backend calls per format (design spec §15: quant, dual-axis quant, MM/GMM)."""
+
+
+_cache_lock = threading.Lock()
+_passed: weakref.WeakKeyDictionary[ModuleType, set[str]] = weakref.WeakKeyDictionary()
+
+
+def clear_capability_cache() -> None:
+    """Forget cached successful checks (tests that swap ``torch_npu`` modules call this)."""
+    with _cache_lock:
+        _passed.clear()
+
+
+def _import_torch_npu() -> ModuleType | None:
+    module = sys.modules.get("torch_npu")
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError:
+        return None
+
+
+def npu_capability_error(format: FormatSpec | str) -> str | None:
+    """Why the npu backend cannot run ``format`` here, or None when it can.
+
+    Args:
+        format: A ``FormatSpec`` or a registered format name.
+
+    Returns:
+        A message naming the missing piece and the fix, or None.
+
+    Raises:
+        ValueError: for an unknown format.
+    """
+    fmt = format_spec(format).name
+    if fmt not in REQUIRED_OPS:
+        return f"the npu backend has no kernels for format {fmt!r}; it implements {sorted(REQUIRED_OPS)}."
+    torch_npu = _import_torch_npu()
+    if torch_npu is None:
+        return (
+            f"{fmt} on the npu backend needs torch_npu, which is not installed. Install it with "
+            f"pip install 'lp-lightning[npu]' (torch_npu {MIN_TORCH_NPU_VERSION} or newer, matching your "
+            "torch and CANN), or select the 'emulated' backend."
+        )
+    with _cache_lock:
+        if fmt in _passed.get(torch_npu, ()):
+            return None
+    version = getattr(torch_npu, "__version__", "unknown")
+    missing_dtypes = [name for name in REQUIRED_DTYPES[fmt] if not hasattr(torch_npu, name)]
+    if missing_dtypes:
+        return (
+            f"{fmt} on the npu backend needs torch_npu.{', torch_npu.'.join(missing_dtypes)}, missing from "
+            f"torch_npu {version}: it is too old. Upgrade to torch_npu {MIN_TORCH_NPU_VERSION} or newer "
+            "(pip install -U 'lp-lightning[npu]')."
+        )
+    npu = getattr(torch_npu, "npu", None)
+    try:
+        available = bool(npu.is_available()) if hasattr(npu, "is_available") else False
+        device_name = str(npu.get_device_name()) if available else None
+    except Exception as exc:  # any driver/runtime failure means "no usable device"
+        return (
+            f"{fmt} on the npu backend: torch_npu {version} could not query the NPU "
+            f"({type(exc).__name__}: {exc})."
+        )
+    if device_name is None:
+        return f"{fmt} on the npu backend needs an NPU device; torch_npu.npu.is_available() is False."
+    if not device_name.startswith(SOC_PREFIX):
+        return (
+            f"{fmt} on the npu backend needs an {SOC_PREFIX} (Ascend A5) SoC; "
+            f"torch_npu.npu.get_device_name() is {device_name!r}. MX-scaled and HiF8 GEMMs do not exist on "
+            "this SoC; select the 'emulated' backend."
+        )
+    missing_ops = [name for name in REQUIRED_OPS[fmt] if not callable(getattr(torch_npu, name, None))]
+    if missing_ops:
+        return (
+            f"{fmt} on the npu backend needs torch_npu.{', torch_npu.'.join(missing_ops)}, missing from "
+            f"torch_npu {version}. Upgrade torch_npu (and CANN) to a release that ships them."
+        )
+    with _cache_lock:
+        _passed.setdefault(torch_npu, set()).add(fmt)
+    return None
+
+
+def check_npu_capability(format: FormatSpec | str) -> None:
+    """Raise unless the npu backend can run ``format`` on this machine.
+
+    Args:
+        format: A ``FormatSpec`` or a registered format name.
+
+    Raises:
+        LowPrecisionUnsupportedError: naming the missing piece (torch_npu, its version, the SoC,
+            or an op) and the fix.
+        ValueError: for an unknown format.
+    """
+    message = npu_capability_error(format)
+    if message is not None:
+        raise LowPrecisionUnsupportedError(message)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantize (MXFP8; see _MX_QUANTIZE below).
 
 
 def mx_quantize(x: torch.Tensor, *, orientation: Orientation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,10 +428,58 @@ def _t(tensor: torch.Tensor, transpose: bool) -> torch.Tensor:
     return tensor.transpose(-2, -1) if transpose else tensor
 
 
+_KERNELS: dict[str, str] = {"mxfp8_e4m3": "mx", "hif8": "hif8"}
+"""Which torch_npu kernel family implements each format: ``"mx"`` (E8M0 block scales,
+``group_sizes``/``*_scale_dtype``) or ``"hif8"`` (``torch_npu.hifloat8`` operands, FP32 scales)."""
+
+
 class NpuBackend:
-    """torch_npu quant MM/GMM wrappers; inputs arrive validated by ``lp_lightning.ops.api``."""
+    """torch_npu quantize and quant MM/GMM wrappers; GEMM inputs arrive validated by ``lp_lightning.ops.api``."""
 
     name = "npu"
+
+    def capability_error(self, format: FormatSpec) -> str | None:
+        """See :func:`npu_capability_error`."""
+        return npu_capability_error(format)
+
+    def quantize(
+        self,
+        quantizer: Quantizer,
+        tensor: torch.Tensor,
+        *,
+        orientation: Orientation,
+        group_list: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
+    ) -> QuantizedOperand:
+        """MX formats: ``npu_dynamic_mx_quant`` (``npu_grouped_dynamic_mx_quant`` for grouped col);
+        HiF8: the portable codec (module docstring)."""
+        if _KERNELS[quantizer.format.name] != "mx":
+            kwargs = {} if amax is None else {"amax": amax}
+            return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, **kwargs)
+        if amax is not None:
+            raise ValueError(f"npu quantize: {quantizer.format.name} computes block scales; amax must be None.")
+        if orientation == "col" and group_list is not None:
+            data, scale = mx_quantize_grouped_col(tensor, group_list)
+        else:
+            data, scale = mx_quantize(tensor, orientation=orientation)
+        return QuantizedOperand(
+            data=data, scale=scale, logical_dtype=tensor.dtype, format=quantizer.format,
+            orientation=orientation, group_list=group_list,
+        )
+
+    def quantize_dual(
+        self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None
+    ) -> tuple[QuantizedOperand, QuantizedOperand]:
+        """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call; HiF8: the portable codec."""
+        if _KERNELS[quantizer.format.name] != "mx":
+            return quantizer.quantize_dual(tensor) if amax is None else quantizer.quantize_dual(tensor, amax=amax)
+        if amax is not None:
+            raise ValueError(f"npu quantize_dual: {quantizer.format.name} computes block scales; amax must be None.")
+        row, col = mx_quantize_dual(tensor)
+        make = lambda pair, o: QuantizedOperand(  # noqa: E731
+            data=pair[0], scale=pair[1], logical_dtype=tensor.dtype, format=quantizer.format, orientation=o
+        )
+        return make(row, "row"), make(col, "col")
 
     def matmul(
         self, left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype
@@ -280,7 +488,7 @@ class NpuBackend:
         torch_npu = _torch_npu()
         left_t, right_t = layout[0] == "T", layout[1] == "T"
         x1, x2 = _t(left.data, left_t), _t(right.data, right_t)
-        if left.format is LowPrecisionFormat.MXFP8_E4M3:
+        if _KERNELS[left.format.name] == "mx":
             # x1 scale is (m, ceil(k/64), 2) and x2 scale (ceil(k/64), n, 2). A transposed operand's
             # scale is the matching view: its first two dims swapped, the pair slot stays last.
             x1_scale = mx_scale_to_npu(left.scale, orientation=left.orientation)
@@ -327,7 +535,7 @@ class NpuBackend:
             split_item=_SPLIT_ITEM_SINGLE,
             output_dtype=output_dtype,
         )
-        if left.format is LowPrecisionFormat.MXFP8_E4M3:
+        if _KERNELS[left.format.name] == "mx":
             if layout == "TN":
                 x_scale = mx_grouped_scale_to_npu(left.scale, group_list, tokens).transpose(0, 1)  # (K, P, 2)
                 w_scale = mx_grouped_scale_to_npu(right.scale, group_list, tokens)  # (P, N, 2)

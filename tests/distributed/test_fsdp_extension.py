@@ -19,24 +19,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lp_lightning.distributed.fsdp_extension import (
+from lp_lightning.integration.sharding import (
     check_shard_legality,
     gather_policy_for,
     plan_low_precision_sharding,
     set_gather_policy,
 )
-from lp_lightning.distributed.refresh import RefreshRecorder, refresh_low_precision_weights
+from lp_lightning.integration.refresh import RefreshRecorder, refresh_low_precision_weights
 from lp_lightning.formats import QuantizationRole, hif8, recipe_for, set_compiled_kernels
-from lp_lightning.formats.weight import (
-    GatheredWeightTensor,
+from lp_lightning.formats.spec import shard_rows
+from lp_lightning.integration import (
     GatherMetadata,
     GatherPolicy,
-    QuantizedWeightTensor,
     current_gather_phase,
     finalize_low_precision_weights,
     gather_layout,
-    shard_rows,
 )
+from lp_lightning.tensor import GatheredWeightTensor, QuantizedWeightTensor
 
 
 
@@ -246,7 +245,7 @@ def test_post_checks_that_hif8_dense_scales_agree_across_ranks():
         s.refresh_from_master()  # local amax only: the two scales differ
     pres = [s.fsdp_pre_all_gather(_FakeMesh(2, r), full.shape, full.stride(), None, None) for r, s in enumerate(shards)]
     gathered = tuple(torch.cat([p[0][i] for p in pres]) for i in range(2))
-    with pytest.raises(ValueError, match="HiF8 dense scales differ across ranks"):
+    with pytest.raises(ValueError, match="per-tensor scales differ across ranks"):
         shards[0].fsdp_post_all_gather(gathered, pres[0][1], torch.float32)
 
 
@@ -504,7 +503,7 @@ def _scenario(rank: int, fmt: str, dims, policy, *, fallback: bool = False, chec
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lp_lightning.distributed.fsdp_extension import replicated_fallback_mesh
+    from lp_lightning.integration.sharding import replicated_fallback_mesh
 
     steps, t = 2, 6
     batches = _batches(steps, t, dims[0])

@@ -7,7 +7,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-from lp_lightning.formats import hif8
+from lp_lightning.formats.hif8 import codec as hif8
 
 
 @pytest.mark.compiled

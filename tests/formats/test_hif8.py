@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from lp_lightning.formats import hif8
+from lp_lightning.formats.hif8 import codec as hif8
 from lp_lightning.formats.hif8 import decode, encode
 
 # docs/formats.md §1.4, rows of 8 non-negative codes each (0x6F is +Inf). Typed in from the table;

@@ -28,8 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from lp_lightning.formats import compiled_kernels_enabled, mxfp8, set_compiled_kernels
-from lp_lightning.formats.e8m0 import e8m0_to_float32, rceil_codes
+from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+from lp_lightning.formats.mxfp8 import codec as mxfp8
+from lp_lightning.formats.mxfp8.e8m0 import e8m0_to_float32, rceil_codes
 
 FP32_TINY = float(np.finfo(np.float32).tiny)  # 2^-126
 FP32_MAX = float(np.finfo(np.float32).max)

@@ -24,6 +24,7 @@ from lp_lightning.formats import (
     QuantizationRole,
     QuantizedOperand,
     Quantizer,
+    format_spec,
     hif8,
     mxfp8,
     recipe_for,
@@ -259,7 +260,7 @@ def test_operand_validates_dtypes_and_scale_shapes():
     data = torch.zeros(64, 40, dtype=torch.float8_e4m3fn)
     good = torch.zeros(64, 2, dtype=torch.float8_e8m0fnu)
     op = QuantizedOperand(data, good, torch.bfloat16, "mxfp8_e4m3", "row")
-    assert op.format is LowPrecisionFormat.MXFP8_E4M3
+    assert op.format is format_spec(LowPrecisionFormat.MXFP8_E4M3)
     with pytest.raises(ValueError, match=r"needs scale shape \(2, 40\)"):
         QuantizedOperand(data, good, torch.bfloat16, LowPrecisionFormat.MXFP8_E4M3, "col")
     with pytest.raises(TypeError, match="float8_e4m3fn/torch.float8_e8m0fnu"):

@@ -1,7 +1,7 @@
 """Persistent low-precision weights (design spec §7.2–7.3, §10, §11, §13.4; requirement R1 (docs/design.md), R8, R9).
 
 Checks the storage against the quantizers bit for bit, that ``select`` is a view (never a
-quantisation), the dispatch rule of ``lp_lightning.formats.weight`` (aliases, fresh shards,
+quantisation), the dispatch rule of ``lp_lightning.tensor.weight`` (aliases, fresh shards,
 in-place optimizer ops on the master, GEMM refusal, unknown structural ops), AdamW on the wrapper,
 and ``finalize_low_precision_weights`` (FQNs, sharing, ``requires_grad``, plain state dict that
 loads with ``weights_only=True``).
@@ -17,20 +17,16 @@ import torch
 from torch import nn
 
 from lp_lightning.formats import QuantizationRole, recipe_for
-from lp_lightning.formats.weight import (
-    GatheredWeightTensor,
+from lp_lightning.formats.spec import WeightKind
+from lp_lightning.integration import (
     GatherPolicy,
-    QuantizedWeightTensor,
-    WeightKind,
-    _WeightState,
     finalize_low_precision_weights,
-    is_master_of,
     iter_low_precision_weights,
     low_precision_param_names,
     register_low_precision_params,
-    storage_spec,
-    total_refresh_count,
 )
+from lp_lightning.tensor import GatheredWeightTensor, QuantizedWeightTensor, is_master_of, storage_spec, total_refresh_count
+from lp_lightning.tensor.weight import _WeightState
 
 
 
@@ -89,7 +85,7 @@ def test_select_is_a_view_of_the_storage_never_a_quantization(fmt, kind):
     for orientation in ("row", "col", "row"):
         op = w.select(orientation)
         assert op.orientation == orientation and tuple(op.data.shape) == gemm_shape
-        assert op.logical_dtype == torch.float32 and op.format.value == fmt
+        assert op.logical_dtype == torch.float32 and op.format.name == fmt
         name = f"{orientation}_data" if fmt == "mxfp8_e4m3" else "data"
         assert op.data.data_ptr() == w.low_precision_storage[name].data_ptr()
     assert total_refresh_count() == before and w.refresh_count == 1
@@ -242,7 +238,7 @@ def test_refresh_from_master_guards_its_source():
         w.refresh_from_master(w.master.clone())
     with pytest.raises(ValueError, match="not this weight's master"):
         w.refresh_from_master(w.select("row").dequantize())
-    with pytest.raises(ValueError, match="only used by HiF8 dense"):
+    with pytest.raises(ValueError, match="only used by per-tensor scales"):
         _weight("mxfp8_e4m3", "dense").refresh_from_master(amax=torch.tensor(1.0))
     w.refresh_from_master(amax=torch.tensor(30.0))  # a MAX-reduced amax sets the scale (design spec §9.2)
     assert float(w.select("row").scale) == 2.0

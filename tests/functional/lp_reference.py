@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lp_lightning.formats import LowPrecisionFormat, QuantizedOperand, hif8, recipe_for
-from lp_lightning.formats.weight import QuantizedWeightTensor
+from lp_lightning.formats import QuantizedOperand, hif8, recipe_for
+from lp_lightning.tensor import QuantizedWeightTensor
 
 
 def lp_weight(master: torch.Tensor, fmt: str, kind: str = "dense") -> QuantizedWeightTensor:
@@ -16,12 +16,12 @@ def lp_weight(master: torch.Tensor, fmt: str, kind: str = "dense") -> QuantizedW
 def reference_gemm(left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype) -> torch.Tensor:
     """Hand-composed from the format layer: MX dequantize / HiF8 decode, FP32 matmul, HiF8 scales, one rounding."""
     values = [
-        op.dequantize(torch.float32) if op.format is LowPrecisionFormat.MXFP8_E4M3 else hif8.decode(op.data, torch.float32)
+        op.dequantize(torch.float32) if op.format.name == "mxfp8_e4m3" else hif8.decode(op.data, torch.float32)
         for op in (left, right)
     ]
     a, b = (v.T if letter == "T" else v for v, letter in zip(values, layout))
     out = a @ b
-    if left.format is LowPrecisionFormat.HIF8:
+    if left.format.name == "hif8":
         out = out * (left.scale * right.scale)
     return out.to(output_dtype)
 
@@ -35,7 +35,7 @@ def reference_grouped_gemm(
     ``out[g] = left[rows_g]ᵀ · right[rows_g]``, zero for an empty group. HiF8 scales multiply the
     FP32 product (per group for a 3-D weight).
     """
-    hif8_scales = left.format is LowPrecisionFormat.HIF8
+    hif8_scales = left.format.name == "hif8"
 
     def values(op: QuantizedOperand) -> torch.Tensor:
         return op.dequantize(torch.float32) if not hif8_scales else hif8.decode(op.data, torch.float32)

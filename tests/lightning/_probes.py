@@ -66,7 +66,7 @@ class StateDump(Callback):
     def _dump(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tag: str) -> None:
         import torch
 
-        from lp_lightning.distributed.refresh import local_low_precision_weight
+        from lp_lightning.integration.refresh import local_low_precision_weight
 
         storage, optim = {}, {}
         names = {}
@@ -98,8 +98,8 @@ class StateDump(Callback):
 class ImportedModules(Callback):
     """Writes ``<out_dir>/imported_rank<r>.json``: which of ``WATCHED`` were imported by the end of training."""
 
-    WATCHED = ("lp_lightning.formats.weight", "lp_lightning.plan", "lp_lightning.distributed.refresh",
-               "lp_lightning.distributed.fsdp_extension", "torch_npu")
+    WATCHED = ("lp_lightning.tensor.weight", "lp_lightning.plan", "lp_lightning.integration.refresh",
+               "lp_lightning.integration.sharding", "torch_npu")
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir

@@ -34,8 +34,8 @@ LOW_PRECISION_WEIGHTS = 21 + 2 * 2
 def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, token_cache_dir, isolated_dist,
                                                                       monkeypatch):
     import lp_lightning.distributed.fsdp as fsdp
-    import lp_lightning.distributed.refresh as refresh
-    import lp_lightning.formats.weight as weight
+    import lp_lightning.integration.refresh as refresh
+    import lp_lightning.tensor.weight as weight
     from lp_lightning.lightning.module import DeepSeekV3LM
     from lp_lightning.plan import ModuleReplacementPlan
 
@@ -69,7 +69,7 @@ def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, t
     assert record.low_precision_weights == LOW_PRECISION_WEIGHTS and record.replicated_low_precision == ()
     assert record.fp32_compute_modules == ("model.layers.1.mlp.gate", "model.layers.2.mlp.gate")
 
-    from lp_lightning.distributed.refresh import local_low_precision_weight
+    from lp_lightning.integration.refresh import local_low_precision_weight
 
     low = {n for n, p in module.model.named_parameters() if local_low_precision_weight(p) is not None}
     assert len(low) == LOW_PRECISION_WEIGHTS
@@ -108,12 +108,12 @@ class _MicroStepRefreshes(pl.Callback):
         self.per_micro_batch: list[tuple[int, int]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from lp_lightning.distributed.refresh import total_refresh_count
+        from lp_lightning.integration.refresh import total_refresh_count
 
         self._start = total_refresh_count()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from lp_lightning.distributed.refresh import total_refresh_count
+        from lp_lightning.integration.refresh import total_refresh_count
 
         self.per_micro_batch.append((batch_idx, total_refresh_count() - self._start))
 
@@ -192,7 +192,7 @@ def test_fabric_twin_converts_shards_refreshes_and_restores(mode, tmp_path, isol
     from lightning.fabric import Fabric
 
     from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
-    from lp_lightning.distributed.refresh import RefreshRecorder, local_low_precision_weight
+    from lp_lightning.integration.refresh import RefreshRecorder, local_low_precision_weight
     from lp_lightning.lightning import FSDP2FabricStrategy, LowPrecisionFabricPlugin
     from lp_lightning.models.deepseek_v3 import from_hf_config
 

@@ -147,7 +147,7 @@ def test_fit_writes_the_low_precision_run_summary(runs, precision):
     assert all(dtype == "uint8" for e in gathers for dtype, _ in e["tensors"])
     assert summary["steps"] == STEPS and summary["loss_last"] < summary["loss_first"]
     imported = json.loads((Path(summary["root"]) / "probe" / "imported_rank0.json").read_text())
-    assert "torch_npu" not in imported and "lp_lightning.formats.weight" in imported
+    assert "torch_npu" not in imported and "lp_lightning.tensor.weight" in imported
 
 
 def test_bf16_run_imports_no_low_precision_module(runs):

@@ -53,7 +53,7 @@ def test_low_precision_modes_map_onto_the_policy(mode, fmt, scaling):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mxfp8", "hif8"])
 def test_convert_module_replaces_the_plan_and_finalizes_fp32_masters(mode, eager_codecs):
-    from lp_lightning.formats.weight import QuantizedWeightTensor
+    from lp_lightning.tensor import QuantizedWeightTensor
     from lp_lightning.models.deepseek_v3 import from_hf_config
 
     model = from_hf_config("dsv3-tiny", seed=0)
@@ -87,7 +87,7 @@ class _Dense(nn.Module):
 
 
 def _lp_params(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from lp_lightning.formats.weight import finalize_low_precision_weights
+    from lp_lightning.integration import finalize_low_precision_weights
 
     module = _Dense()
     finalize_low_precision_weights(module, recipe=LowPrecisionPlugin(mode).policy)
@@ -96,7 +96,7 @@ def _lp_params(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 @pytest.mark.parametrize("mode", ["mxfp8", "hif8"])
 def test_fabric_step_refreshes_each_weight_once_and_skips_non_finite(mode, eager_codecs):
-    from lp_lightning.distributed.refresh import RefreshRecorder
+    from lp_lightning.integration.refresh import RefreshRecorder
 
     module, optimizer = _lp_params(mode)
     plugin = LowPrecisionFabricPlugin(mode)
@@ -193,8 +193,8 @@ def test_bf16_plugin_imports_no_low_precision_module():
         "model = plugin.convert_module(from_hf_config('dsv3-tiny', seed=0))\n"
         "p = model.lm_head.weight; p.grad = torch.ones_like(p)\n"
         "plugin.optimizer_step(torch.optim.AdamW([p]))\n"
-        "print(sorted(m for m in ('lp_lightning.formats.weight', 'lp_lightning.plan', 'torch_npu',"
-        " 'lp_lightning.distributed.refresh', 'lp_lightning.distributed.fsdp_extension') if m in sys.modules))\n"
+        "print(sorted(m for m in ('lp_lightning.tensor.weight', 'lp_lightning.plan', 'torch_npu',"
+        " 'lp_lightning.integration.refresh', 'lp_lightning.integration.sharding') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

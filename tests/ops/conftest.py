@@ -8,7 +8,7 @@ import pytest
 
 from fake_torch_npu import FakeTorchNpu
 from lp_lightning.ops import set_backend
-from lp_lightning.ops.capability import clear_capability_cache
+from lp_lightning.ops.npu import clear_capability_cache
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@
    independently of ``lp_lightning.ops.npu``'s converters), the padding codes are checked to be 0,
    the operands are rebuilt as ``QuantizedOperand``s and ``EmulatedBackend`` computes the result.
 
-The fake's numbers are the emulation's numbers, never a statement about hardware accuracy (seed
+The fake's numbers are the emulation's numbers, never a statement about hardware accuracy (design spec
 §16.2). Capability attributes: ``hifloat8 = 290``, ``float8_e8m0fnu = 293`` (docs/formats.md §3.1),
 ``npu.is_available()``, ``npu.get_device_name()``; any of them and any op can be left out with
 ``missing=`` to test the capability gate.
@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from lp_lightning.formats import mxfp8
-from lp_lightning.formats.operand import LowPrecisionFormat, QuantizedOperand
+from lp_lightning.formats.operand import QuantizedOperand
 from lp_lightning.ops.emulated import BACKEND as EMULATED
 
 HIFLOAT8 = 290
@@ -224,7 +224,7 @@ class FakeTorchNpu(types.ModuleType):
         if x1_dtype == HIFLOAT8 and x2_dtype == HIFLOAT8:
             if scale.shape != (1,) or pertoken_scale.shape != (1,) or scale.dtype != torch.float32:
                 raise NotImplementedError("fake torch_npu: HiF8 T-T mode takes FP32 scales of shape (1,)")
-            fmt = LowPrecisionFormat.HIF8
+            fmt = "hif8"
             left = _operand(left_data, pertoken_scale.reshape(()), fmt, "col" if left_t else "row")
             right = _operand(right_data, scale.reshape(()), fmt, "row" if right_t else "col")
         elif (scale_dtype, pertoken_scale_dtype, list(group_sizes or ())) == MX_MODE:
@@ -234,7 +234,7 @@ class FakeTorchNpu(types.ModuleType):
             left_blocks = _blocks_from_pairs(_u8(pertoken_scale).transpose(0, 1), nb)  # [nb, m]
             # scale is (ceil(k/64), n, 2): element (kk, j) uses [kk // 64, j, (kk // 32) % 2].
             right_blocks = _blocks_from_pairs(_u8(scale), nb)  # [nb, n]
-            fmt = LowPrecisionFormat.MXFP8_E4M3
+            fmt = "mxfp8_e4m3"
             left = (_operand(left_data, _e8m0(left_blocks), fmt, "col") if left_t
                     else _operand(left_data, _e8m0(left_blocks.T), fmt, "row"))
             right = (_operand(right_data, _e8m0(right_blocks.T), fmt, "row") if right_t
@@ -269,7 +269,7 @@ class FakeTorchNpu(types.ModuleType):
         mx = scale_dtype == FLOAT8_E8M0FNU and per_token_scale_dtype == FLOAT8_E8M0FNU
         if hif8 == mx:
             raise NotImplementedError("fake torch_npu: need either HiF8 x/weight dtypes or E8M0 scale dtypes")
-        fmt = LowPrecisionFormat.HIF8 if hif8 else LowPrecisionFormat.MXFP8_E4M3
+        fmt = "hif8" if hif8 else "mxfp8_e4m3"
         if group_type == 2:  # split K (wgrad): x is a transposed view [K, T], weight [T, N]
             if not _is_transposed(x) or _is_transposed(weight):
                 raise NotImplementedError("fake torch_npu: split-K expects x transposed, weight not")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lp_lightning.formats import MXFP8Quantizer, recipe_for
-from lp_lightning.formats.quantizers import HiF8Quantizer
+from lp_lightning.formats.hif8 import HiF8Quantizer
 from lp_lightning.ops import (
     GemmRole,
     LowPrecisionUnsupportedError,
@@ -196,7 +196,8 @@ def test_backend_selection_precedence(no_torch_npu):
     left, right, layout, _ = _dense_case("hif8", "fprop")
     assert get_backend() == "auto"
     assert resolve_backend("hif8", torch.device("cpu")) == "emulated"
-    assert resolve_backend("hif8", "npu:0") == "emulated"  # auto: gate fails without torch_npu
+    with pytest.raises(LowPrecisionUnsupportedError, match="torch_npu"):  # auto on an NPU device: never emulated
+        resolve_backend("hif8", "npu:0")
     set_backend("npu")
     with pytest.raises(LowPrecisionUnsupportedError, match=r"pip install 'lp-lightning\[npu\]'"):
         low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
@@ -245,7 +246,7 @@ def test_importing_the_package_does_not_import_torch_npu():
         """
         import sys
         import lp_lightning, lp_lightning.formats, lp_lightning.ops
-        import lp_lightning.ops.npu, lp_lightning.ops.emulated, lp_lightning.ops.capability
+        import lp_lightning.ops.npu, lp_lightning.ops.emulated, lp_lightning.ops.backend
         assert "torch_npu" not in sys.modules, "torch_npu was imported"
         print("ok")
         """

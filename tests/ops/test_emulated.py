@@ -61,7 +61,7 @@ def test_mx_dequantize_is_exact_so_the_product_matches_fp64():
 def _slice_rows(op: QuantizedOperand, start: int, stop: int, block_start: int | None = None,
                 block_stop: int | None = None) -> QuantizedOperand:
     """Rows [start, stop) of a 2-D operand as a dense operand (row: scale rows; grouped col: its blocks)."""
-    if op.format.value == "hif8":
+    if op.format.name == "hif8":
         return QuantizedOperand(op.data[start:stop], op.scale, op.logical_dtype, op.format, op.orientation)
     scale = op.scale[start:stop] if op.orientation == "row" else op.scale[block_start:block_stop]
     return QuantizedOperand(op.data[start:stop], scale, op.logical_dtype, op.format, op.orientation)

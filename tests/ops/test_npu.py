@@ -21,14 +21,16 @@ from fake_torch_npu import (
 from lp_lightning.formats import HiF8Quantizer, MXFP8Quantizer
 from lp_lightning.ops import (
     LowPrecisionUnsupportedError,
-    check_npu_capability,
     low_precision_grouped_matmul,
     low_precision_matmul,
+    quantize,
+    quantize_dual,
     record_gemms,
     resolve_backend,
     use_backend,
 )
 from lp_lightning.ops import emulated, npu
+from lp_lightning.ops.npu import check_npu_capability
 
 E4M3, E8M0, U8, F32, I64, BF16 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8, torch.float32,
                                   torch.int64, torch.bfloat16)
@@ -197,11 +199,11 @@ def _same_operand(a, b):
 def test_mx_quantize_on_the_npu_backend(fake_npu):
     x = torch.randn(M, K, dtype=BF16)
     group_list = torch.tensor([30, 0, 50])
-    with use_backend("npu"):
-        row = MX.quantize(x, orientation="row")
-        col = MX.quantize(x, orientation="col")
-        dual = MX.quantize_dual(x)
-        grouped = MX.quantize(x, orientation="col", group_list=group_list)
+    with use_backend("npu"):  # quantisation goes through the backend (lp_lightning.ops.quantize)
+        row = quantize(MX, x, orientation="row")
+        col = quantize(MX, x, orientation="col")
+        dual = quantize_dual(MX, x)
+        grouped = quantize(MX, x, orientation="col", group_list=group_list)
     quant = {"input": spec(BF16, (M, K)), "dst_type": E4M3, "scale_alg": 1}
     assert fake_npu.calls == [
         CallRecord("npu_dynamic_mx_quant", {**quant, "axis": -1}),
@@ -222,7 +224,7 @@ def test_mx_quantize_on_the_npu_backend(fake_npu):
 def test_hif8_quantize_stays_portable_on_the_npu_backend(fake_npu):
     x = torch.randn(M, K, dtype=BF16)
     with use_backend("npu"):
-        op = HI.quantize(x, orientation="row")
+        op = quantize(HI, x, orientation="row")
     assert fake_npu.calls == []
     _same_operand(op, HI.quantize(x, orientation="row"))
 
@@ -249,7 +251,8 @@ def test_capability_gate_names_the_missing_piece(install_fake_npu, kwargs, fmt, 
     install_fake_npu(version="2.1.0", **kwargs)
     with pytest.raises(LowPrecisionUnsupportedError, match=message):
         check_npu_capability(fmt)
-    assert resolve_backend(fmt, "npu:0") == "emulated"  # auto never picks a backend that cannot run
+    with pytest.raises(LowPrecisionUnsupportedError, match=message):  # auto on an NPU device never emulates
+        resolve_backend(fmt, "npu:0")
     with pytest.raises(LowPrecisionUnsupportedError):
         resolve_backend(fmt, "cpu", backend="npu")
 

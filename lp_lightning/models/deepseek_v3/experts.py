@@ -73,7 +73,7 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
         recipe: The ``LowPrecisionRecipe`` of ``policy.format``.
         fqn: The module's fully qualified name.
         low_precision_weight_names: Class attribute ``("gate_up_proj", "down_proj")``: the
-            parameters ``lp_lightning.formats.weight.finalize_low_precision_weights`` turns into
+            parameters ``lp_lightning.integration.finalize_low_precision_weights`` turns into
             persistent low-precision weights (``low_precision_weight_kind = "grouped"``: GEMM
             views ``[E, H, 2F]`` and ``[E, F, H]``).
     """
@@ -136,8 +136,8 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
             if not is_low_precision_weight(weight):
                 raise TypeError(
                     f"{who}: {name} is still the plain high-precision Parameter {tuple(weight.shape)}; build the "
-                    f"persistent {self.recipe.format.value} weights from the master once after the plan is applied "
-                    "(lp_lightning.formats.weight.finalize_low_precision_weights). There is no high-precision fallback."
+                    f"persistent {self.recipe.format.name} weights from the master once after the plan is applied "
+                    "(lp_lightning.integration.finalize_low_precision_weights). There is no high-precision fallback."
                 )
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
             raise ValueError(
@@ -157,7 +157,7 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_dim={self.hidden_dim}, intermediate_dim={self.intermediate_dim}, "
-            f"format={self.recipe.format.value}, fqn={self.fqn!r}"
+            f"format={self.recipe.format.name}, fqn={self.fqn!r}"
         )
 
 

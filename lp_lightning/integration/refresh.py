@@ -10,18 +10,19 @@ low-precision storage of ``QuantizedWeightTensor`` parameters, plain or FSDP2-sh
   activation recompute, or a skipped/non-finite step — the caller decides success),
 - once after a checkpoint load has restored the masters (design spec §11).
 
-Every rank must call it with the same parameters in the same order: a HiF8 dense weight's local
-master-shard amax is MAX-reduced over its FSDP shard group first (every rank joins, also ranks
+Every rank must call it with the same parameters in the same order: a weight whose scale is per
+tensor (``AmaxScope.TENSOR``: HiF8 dense) has its local master-shard amax MAX-reduced over its FSDP
+shard group first (every rank joins, also ranks
 whose shard is empty), so all ranks quantise with one scale and the all-gathered weight equals
 quantising the full master with that scale (design spec §9.2). The reduction is batched: one
 ``all_reduce(MAX)`` per shard group per call. Non-finite local amaxes are reduced as ``+inf``
 (the scale then falls back to 1.0 on every rank, as the quantizer's rule for a non-finite amax),
-so ranks never disagree because a NaN compared differently. MXFP8 (per-block) and HiF8 grouped
-(per-expert, experts never split) scales are local and need no communication.
+so ranks never disagree because a NaN compared differently. Per-block (MXFP8) and per-group
+(HiF8 grouped; experts never split) scales are local and need no communication.
 
 Counting (for tests and the ST probe's ``refresh.per_step``): each weight keeps
 ``refresh_count``; :class:`RefreshRecorder` records every storage build in the process while
-active; ``lp_lightning.formats.weight.total_refresh_count()`` is the process-wide total.
+active; ``lp_lightning.tensor.storage.total_refresh_count()`` is the process-wide total.
 """
 
 from __future__ import annotations
@@ -36,14 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lp_lightning.formats.operand import LowPrecisionFormat
-from lp_lightning.formats.weight import (
-    QuantizedWeightTensor,
-    WeightKind,
-    add_refresh_observer,
-    is_master_of,
-    total_refresh_count,
-)
+from lp_lightning.formats.spec import AmaxScope
+from lp_lightning.integration.weights import local_low_precision_weight
+from lp_lightning.tensor.storage import add_refresh_observer, total_refresh_count
+from lp_lightning.tensor.weight import QuantizedWeightTensor, is_master_of
 
 __all__ = [
     "RefreshRecorder",
@@ -54,24 +51,6 @@ __all__ = [
     "shard_group",
     "total_refresh_count",
 ]
-
-
-def local_low_precision_weight(param: torch.Tensor) -> QuantizedWeightTensor | None:
-    """This rank's ``QuantizedWeightTensor`` behind ``param`` (itself, or a DTensor's local shard).
-
-    The DTensor case uses the public ``DTensor.to_local()``, whose result is an alias of the
-    shard (same weight state: storage, counters, gather policy).
-
-    Args:
-        param: A parameter or tensor.
-
-    Returns:
-        The local weight, or ``None`` for any other tensor.
-    """
-    if isinstance(param, DTensor):
-        with torch.no_grad():
-            param = param.to_local()
-    return param if isinstance(param, QuantizedWeightTensor) else None
 
 
 def shard_group(param: torch.Tensor) -> dist.ProcessGroup | None:
@@ -108,7 +87,7 @@ class RefreshReport:
     Attributes:
         refreshed: FQNs rebuilt, in call order (each exactly once).
         skipped: Number of parameters that hold no low-precision weight (left untouched).
-        amax_all_reduces: Number of ``all_reduce(MAX)`` collectives issued (HiF8 dense).
+        amax_all_reduces: Number of ``all_reduce(MAX)`` collectives issued (per-tensor scales).
     """
 
     refreshed: tuple[str, ...]
@@ -174,11 +153,11 @@ def refresh_low_precision_weights(
                 )
         entries.append((param, local))
 
-    # HiF8 dense: MAX-reduce the local amaxes per shard group (one collective per group).
+    # Per-tensor scales (HiF8 dense): MAX-reduce the local amaxes per shard group (one collective per group).
     amax_for: dict[int, torch.Tensor] = {}
     by_group: dict[int, tuple[dist.ProcessGroup, list[QuantizedWeightTensor]]] = {}
     for param, local in entries:
-        if local.format is LowPrecisionFormat.HIF8 and local.kind is WeightKind.DENSE:
+        if local.amax_scope is AmaxScope.TENSOR:
             group = shard_group(param)
             if group is not None:
                 by_group.setdefault(id(group), (group, []))[1].append(local)

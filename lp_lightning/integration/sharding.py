@@ -1,30 +1,13 @@
-"""FSDP2 multi-storage extension of low-precision weights: shard legality, fallback, gather policy (design spec §9, §13.5).
+"""Shard legality, the replicated fallback and the gather policy of a run (design spec §9.1–9.2, §13.5).
 
-The extension itself is the pair of methods torch's FSDP2 calls on a sharded parameter's local
-tensor, ``QuantizedWeightTensor.fsdp_pre_all_gather(mesh, outer_size, outer_stride, module,
-mp_policy)`` and ``.fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)``
-(``lp_lightning.formats.weight``). This module holds what surrounds them, all through public
-APIs (no private FSDP state is read):
+What surrounds the FSDP2 gather extension (:mod:`lp_lightning.integration.gather`), through
+public APIs only. Every rule comes from the weight's ``FormatSpec``:
 
-**Why a fixed schema.** FSDP2 sizes a parameter's all-gather output buffers once, from the first
-call's (count, numel, dtype) of the physical tensors, and re-uses them. The seed's direction table
-(§9.1: MXFP8 forward with ``reshard_after_forward=true`` gathers one orientation, otherwise two)
-is therefore realised as one schema per weight: ``(data, scale)`` slots whose contents are the
-forward orientation in forward and the dgrad orientation in backward, or four slots (both
-orientations) in every gather when the gathered copy must serve both passes.
-
-**Why the phase comes from autograd.** FSDP2 passes no phase argument. A gather runs in backward
-exactly when the autograd engine is executing a graph task on this thread
-(``torch._C._current_graph_task_id() != -1``): pre-backward unshard, backward prefetch, and the
-forward re-run of ``activation_checkpoint="full"``. Whether the forward copy survives into backward
-is configuration (``reshard_after_forward``, activation checkpointing), which the weight is told at
-finalize time as a :class:`~lp_lightning.formats.weight.GatherPolicy` — see :func:`gather_policy_for`.
-
-**Shard legality** (§9.1–9.2, :func:`check_shard_legality`): FSDP2 shards dim 0. MXFP8 dense
-``[M, K]`` needs every rank's ``M_local % 64 == 0``; MXFP8 grouped ``[E, D1, D2]`` needs
-``(E_local * D1) % 64 == 0``; HiF8 has no tile rule (its scale is per tensor, MAX-reduced, or per
-expert, and dim-0 sharding never splits an expert). Uneven sharding (FSDP padding) and empty
-local shards are handled by the gather layout.
+**Shard legality** (:func:`check_shard_legality`): FSDP2 shards dim 0; ``FormatSpec.shard_rule_violation``
+says whether a split breaks the format. MXFP8 dense ``[M, K]`` needs every rank's
+``M_local % 64 == 0``; MXFP8 grouped ``[E, D1, D2]`` needs ``(E_local * D1) % 64 == 0``; HiF8 has no
+tile rule (its scale is per tensor, MAX-reduced, or per expert, and dim-0 sharding never splits an
+expert). Uneven sharding (FSDP padding) and empty local shards are handled by the gather layout.
 
 **Fallback** (:func:`plan_low_precision_sharding`): an illegal weight either fails at startup
 (``fallback_to_unsharded=false``; ``ValueError`` naming FQN, shape, world size and rule) or stays
@@ -39,7 +22,7 @@ are not also claimed by the layer's group.
 
 Order of calls for the FSDP2 owner (design spec §12.1)::
 
-    plan.apply(model)                                    # replacement (issue 4)
+    plan.apply(model)
     finalize_low_precision_weights(model, recipe=policy, build=False,
                                    gather_policy=gather_policy_for(reshard_after_forward=rafs, activation_checkpoint=ac))
     sharding = plan_low_precision_sharding(model, world_size, fallback_to_unsharded=flag)
@@ -61,16 +44,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lp_lightning.formats.operand import LowPrecisionFormat
-from lp_lightning.formats.weight import (
-    GatherPolicy,
-    QuantizedWeightTensor,
-    WeightKind,
-    current_gather_phase,
-    iter_low_precision_weights,
-    mx_shard_rule_violation,
-    shard_rows,
-)
+from lp_lightning.formats.registry import format_spec
+from lp_lightning.formats.spec import FormatSpec, WeightKind, shard_rows
+from lp_lightning.integration.gather import GatherPolicy, current_gather_phase
+from lp_lightning.integration.weights import iter_low_precision_weights, local_low_precision_weight
+from lp_lightning.tensor.weight import QuantizedWeightTensor
 
 __all__ = [
     "LowPrecisionShardingPlan",
@@ -90,7 +68,7 @@ def check_shard_legality(
     shape: tuple[int, ...],
     kind: WeightKind | str,
     world_size: int,
-    format: LowPrecisionFormat | str,
+    format: FormatSpec | str,
 ) -> str | None:
     """Whether FSDP2 dim-0 sharding over ``world_size`` ranks is legal for one weight (design spec §9.1–9.2).
 
@@ -99,7 +77,7 @@ def check_shard_legality(
         shape: Full logical parameter shape (dense ``[M, K]``, grouped ``[E, D1, D2]``).
         kind: ``"dense"`` or ``"grouped"``.
         world_size: FSDP shard-group size (≥ 1).
-        format: ``"mxfp8_e4m3"`` or ``"hif8"``.
+        format: A ``FormatSpec`` or a registered format name.
 
     Returns:
         ``None`` when legal, else a sentence naming the FQN, shape, world size and rule.
@@ -107,15 +85,13 @@ def check_shard_legality(
     Raises:
         ValueError: ``world_size < 1``, or a shape of the wrong rank for ``kind``.
     """
-    kind, fmt = WeightKind.parse(kind), LowPrecisionFormat.parse(format)
+    kind, fmt = WeightKind.parse(kind), format_spec(format)
     if world_size < 1:
         raise ValueError(f"check_shard_legality({fqn!r}): world_size must be >= 1, got {world_size}.")
     want = 2 if kind is WeightKind.DENSE else 3
     if len(shape) != want:
         raise ValueError(f"check_shard_legality({fqn!r}): a {kind.value} weight is {want}-D, got shape {tuple(shape)}.")
-    if fmt is LowPrecisionFormat.HIF8:
-        return None  # per-tensor (MAX-reduced) or per-expert scale: any dim-0 split is exact
-    reason = mx_shard_rule_violation(kind, tuple(shape), world_size)
+    reason = fmt.shard_rule_violation(kind, tuple(shape), world_size)
     if reason is None:
         return None
     return f"{fqn}: shape {tuple(shape)} over world size {world_size}: {reason}"
@@ -164,7 +140,7 @@ def plan_low_precision_sharding(
     """Check every low-precision weight of ``module`` against the shard rules, before ``fully_shard``.
 
     Args:
-        module: The model after :func:`~lp_lightning.formats.weight.finalize_low_precision_weights`.
+        module: The model after :func:`~lp_lightning.integration.weights.finalize_low_precision_weights`.
         world_size: FSDP shard-group size (the ``dp_shard`` mesh size).
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``.
 
@@ -226,7 +202,7 @@ def replicated_fallback_mesh(device_type: str, world_size: int) -> torch.distrib
 
 
 def gather_policy_for(*, reshard_after_forward: bool, activation_checkpoint: Literal["off", "full"]) -> GatherPolicy:
-    """The :class:`~lp_lightning.formats.weight.GatherPolicy` of a run's FSDP2 settings.
+    """The :class:`~lp_lightning.integration.gather.GatherPolicy` of a run's FSDP2 settings.
 
     Args:
         reshard_after_forward: ``fsdp_config.reshard_after_forward`` (passed explicitly to every
@@ -252,8 +228,6 @@ def set_gather_policy(params: Iterable[torch.Tensor] | nn.Module, policy: Gather
     Raises:
         ValueError: a weight was already all-gathered with another policy (FSDP2 fixed its buffers).
     """
-    from lp_lightning.distributed.refresh import local_low_precision_weight
-
     if isinstance(params, nn.Module):
         params = [p for _, p in iter_low_precision_weights(params)]
     count = 0

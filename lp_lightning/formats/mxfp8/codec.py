@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from lp_lightning.formats._compile import fused
-from lp_lightning.formats.e8m0 import E4M3_MAX, e8m0_to_float32, rceil_codes
+from lp_lightning.formats.mxfp8.e8m0 import E4M3_MAX, e8m0_to_float32, rceil_codes
 
 __all__ = [
     "BLOCK_SIZE",

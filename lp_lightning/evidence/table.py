@@ -1,6 +1,6 @@
 """The number-format table of docs/numerics.md §2 (section 二), derived from bit patterns, plus E8M0 and HiF8.
 
-Seed 002 §2 lists max / min normal / min subnormal / ε for FP32, FP16, BF16, E4M3 and E5M2 from
+docs/numerics.md §2 lists max / min normal / min subnormal / ε for FP32, FP16, BF16, E4M3 and E5M2 from
 the formulas ``x_max = (2 − 2^-M)·2^(2^(E−1)−1)`` etc., and §9.1 (九.1) checks them by building
 each boundary value from its bit pattern. Here every 8- and 16-bit format is derived by
 *enumerating all of its bit patterns* (``torch.arange`` viewed as the format's dtype, or the HiF8
@@ -112,7 +112,7 @@ def _torch_format(
 def _ieee_from_widths(name: str, exp_bits: int, man_bits: int) -> FormatInfo:
     """An IEEE-754 binary format (subnormals, ±0, ±Inf, NaN) from its field widths alone.
 
-    Seed 002 §2.1: bias = 2^(E−1) − 1, max = (2 − 2^−M)·2^bias, min normal = 2^(1−bias),
+    docs/numerics.md §2.1: bias = 2^(E−1) − 1, max = (2 − 2^−M)·2^bias, min normal = 2^(1−bias),
     min subnormal = 2^(1−bias−M), ε = 2^−M. Finite patterns: 2 signs × (2^E − 1) exponent fields
     × 2^M mantissas, minus one for the duplicate zero.
     """

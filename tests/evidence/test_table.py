@@ -10,7 +10,7 @@ import ml_dtypes
 import pytest
 import torch
 
-from lp_lightning.formats.table import FormatInfo, format_info, format_table, format_table_markdown
+from lp_lightning.evidence.table import FormatInfo, format_info, format_table, format_table_markdown
 
 TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -51,7 +51,7 @@ def test_agrees_with_torch_and_ml_dtypes_finfo(name):
     assert row.min_subnormal == float(mf.smallest_subnormal)
 
 
-# Seed 002 §2.1 formulas and hand counts: finite distinct values = 2·(2^E − 1)·2^M − 1 for IEEE
+# docs/numerics.md §2.1 formulas and hand counts: finite distinct values = 2·(2^E − 1)·2^M − 1 for IEEE
 # formats (±0 once); E4M3fn: 256 − 2 NaN − 1 duplicate zero; E5M2: 256 − 6 NaN − 2 Inf − 1;
 # E8M0: 255 (0xFF is NaN, no zero); HiF8: 256 − NaN − 2 Inf (one zero code).
 EXPECTED = {

@@ -1,0 +1,236 @@
+"""Op backends as plug-ins: the ``Backend`` protocol, the registry and the backend choice (design spec §13.4, §15).
+
+A backend is one file (``lp_lightning.ops.emulated``, ``lp_lightning.ops.npu``) exposing one
+object that implements :class:`Backend`: quantize, dual quantize, dense GEMM, grouped GEMM and a
+capability check. Backends are registered by name with the module attribute that holds them and
+are imported on first use, so ``import lp_lightning.ops`` never imports ``torch_npu``.
+
+Choice (:func:`resolve_backend`), innermost first: ``backend=`` of a call, :func:`use_backend`,
+:func:`set_backend` (default ``"auto"``):
+
+- ``"emulated"`` / ``"npu"`` (any registered name): that backend; its capability check must pass
+  for the format, else :class:`LowPrecisionUnsupportedError` names what is missing.
+- ``"auto"``: the backend registered for the operands' device type (``npu`` for an ``npu``
+  device) — whose failing check is an error, never a silent switch to emulation — and
+  ``emulated`` on every other device (CPU, CUDA). The run records the resolved name
+  (``run_summary.json`` ``backend``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from lp_lightning.formats.operand import QuantizedOperand
+    from lp_lightning.formats.quantizer import Quantizer
+    from lp_lightning.formats.spec import FormatSpec, Orientation
+
+__all__ = [
+    "AUTO",
+    "Backend",
+    "BackendName",
+    "LowPrecisionUnsupportedError",
+    "backend_names",
+    "get_backend",
+    "get_backend_impl",
+    "register_backend",
+    "resolve_backend",
+    "set_backend",
+    "use_backend",
+]
+
+BackendName = str
+"""A registered backend name (``"emulated"``, ``"npu"``) or ``"auto"``."""
+
+AUTO = "auto"
+
+
+class LowPrecisionUnsupportedError(RuntimeError):
+    """The requested low-precision path cannot run here; the message names what is missing.
+
+    Raised instead of falling back to a BF16/FP32 GEMM (design spec §15: no high-precision fallback).
+    """
+
+
+class Backend(Protocol):
+    """What a backend implements. GEMM inputs arrive validated against ``lp_lightning.ops.api``'s contract."""
+
+    name: str
+
+    def capability_error(self, format: FormatSpec) -> str | None:
+        """Why this backend cannot run ``format`` here (message with the fix), or ``None``."""
+        ...
+
+    def quantize(
+        self,
+        quantizer: Quantizer,
+        tensor: torch.Tensor,
+        *,
+        orientation: Orientation,
+        group_list: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
+    ) -> QuantizedOperand:
+        """``quantizer``'s operand of ``tensor``, bit-identical to the quantizer's portable codec."""
+        ...
+
+    def quantize_dual(
+        self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None
+    ) -> tuple[QuantizedOperand, QuantizedOperand]:
+        """``(row, col)`` operands of ``tensor`` (a persistent weight's storage)."""
+        ...
+
+    def matmul(
+        self, left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Dense ``op(left) @ op(right)``."""
+        ...
+
+    def grouped_matmul(
+        self,
+        left: QuantizedOperand,
+        right: QuantizedOperand,
+        group_list: torch.Tensor,
+        layout: str,
+        output_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Grouped GEMM (see ``lp_lightning.ops.api``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Registration:
+    location: str  # "package.module:ATTRIBUTE"
+    device_type: str | None  # the device type "auto" picks it for
+
+
+_LOCK = threading.Lock()
+_REGISTRY: dict[str, _Registration] = {}
+_LOADED: dict[str, Backend] = {}
+
+
+def register_backend(name: str, location: str, *, device_type: str | None = None) -> None:
+    """Register a backend by the import location of its object (idempotent for equal arguments).
+
+    Args:
+        name: Backend name (not ``"auto"``).
+        location: ``"package.module:ATTRIBUTE"`` of an object implementing :class:`Backend`.
+        device_type: Device type for which ``"auto"`` picks this backend (``"npu"``), or ``None``.
+
+    Raises:
+        ValueError: ``name`` is ``"auto"`` or taken by another registration, or the device type is
+            claimed by another backend.
+    """
+    registration = _Registration(location, device_type)
+    with _LOCK:
+        if name == AUTO or (name in _REGISTRY and _REGISTRY[name] != registration):
+            raise ValueError(f"register_backend: name {name!r} is reserved or already registered.")
+        owner = [n for n, r in _REGISTRY.items() if device_type is not None and r.device_type == device_type]
+        if owner and owner != [name]:
+            raise ValueError(f"register_backend: device type {device_type!r} already belongs to {owner[0]!r}.")
+        _REGISTRY[name] = registration
+
+
+def backend_names() -> tuple[str, ...]:
+    """Registered backend names."""
+    return tuple(_REGISTRY)
+
+
+def _parse_backend(name: object, who: str) -> str:
+    if name != AUTO and name not in _REGISTRY:
+        legal = ", ".join(repr(n) for n in (AUTO, *_REGISTRY))
+        raise ValueError(f"{who}: backend={name!r}; legal values: {legal}.")
+    return name  # type: ignore[return-value]
+
+
+def get_backend_impl(name: str) -> Backend:
+    """The backend object registered as ``name`` (imported on first use).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    backend = _LOADED.get(name)
+    if backend is None:
+        module_name, _, attribute = _REGISTRY[_parse_backend(name, "get_backend_impl")].location.partition(":")
+        backend = getattr(importlib.import_module(module_name), attribute)
+        with _LOCK:
+            backend = _LOADED.setdefault(name, backend)
+    return backend
+
+
+_global_backend: str = AUTO
+_scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("lp_lightning_gemm_backend", default=None)
+
+
+def set_backend(name: BackendName) -> None:
+    """Select the backend for this process (default ``"auto"``).
+
+    Args:
+        name: ``"auto"`` or a registered name. Selecting ``"npu"`` imports nothing yet; the first
+            call with a format runs its capability check.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    global _global_backend
+    _global_backend = _parse_backend(name, "set_backend")
+
+
+def get_backend() -> BackendName:
+    """The backend name in force here: the innermost ``use_backend``, else ``set_backend``'s."""
+    scoped = _scoped_backend.get()
+    return scoped if scoped is not None else _global_backend
+
+
+@contextlib.contextmanager
+def use_backend(name: BackendName) -> Iterator[BackendName]:
+    """Select a backend for the calls made inside the block (context-local; nests).
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    token = _scoped_backend.set(_parse_backend(name, "use_backend"))
+    try:
+        yield name
+    finally:
+        _scoped_backend.reset(token)
+
+
+def resolve_backend(format: FormatSpec | str, device: torch.device | str, backend: BackendName | None = None) -> str:
+    """The concrete backend a call with ``format`` on ``device`` uses (module docstring).
+
+    Args:
+        format: The operands' format (a ``FormatSpec`` or a registered name).
+        device: The operands' device (a ``torch.device`` or a string such as ``"npu:0"``).
+        backend: Explicit choice for this call; None uses :func:`get_backend`.
+
+    Returns:
+        A registered backend name whose capability check passed.
+
+    Raises:
+        ValueError: for an unknown backend or format name.
+        LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
+    """
+    from lp_lightning.formats.registry import format_spec
+
+    spec = format_spec(format)
+    name = get_backend() if backend is None else _parse_backend(backend, "backend")
+    if name == AUTO:
+        device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+        owners = [n for n, r in _REGISTRY.items() if r.device_type == device_type]
+        name = owners[0] if owners else "emulated"
+    message = get_backend_impl(name).capability_error(spec)
+    if message is not None:
+        raise LowPrecisionUnsupportedError(message)
+    return name
+
+
+register_backend("emulated", "lp_lightning.ops.emulated:BACKEND")
+register_backend("npu", "lp_lightning.ops.npu:BACKEND", device_type="npu")

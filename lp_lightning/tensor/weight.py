@@ -1,0 +1,914 @@
+"""Persistent low-precision weights: ``QuantizedWeightTensor`` and the gathered ``GatheredWeightTensor``.
+
+Design spec §7.2–7.3, §10, §13.4; requirements R1, R8 (docs/design.md). Format-agnostic: a weight
+knows its recipe and asks the recipe's ``FormatSpec`` everything format-specific.
+
+A replaced module's weight Parameter holds a ``QuantizedWeightTensor``: a tensor with the
+parameter's *logical* shape, dtype and ``requires_grad`` that owns
+
+- the **high-precision master** (``master``, FP32 after finalisation): the authoritative value.
+  The optimizer updates it through in-place ops on the wrapper, the model state dict exposes it
+  (never the derived bytes), and it is never recovered by dequantising.
+- the **derived low-precision storage** (:mod:`lp_lightning.tensor.storage`), rebuilt from the
+  master only by :meth:`QuantizedWeightTensor.refresh_from_master`, which quantizes through the op
+  backend (``lp_lightning.ops.quantize_dual``). The lifecycle layer calls it once per successful
+  optimizer step (``lp_lightning.integration.refresh``, design spec §10).
+
+``select(orientation)`` returns a ``QuantizedOperand`` *viewing* that storage (no quantisation,
+no copy). The GEMM views (design spec §8, the contract of ``lp_lightning.functional``):
+
+- **dense** weight ``w_NK`` (``nn.Linear.weight``): operands are of ``[N, K]``; fprop uses
+  ``"row"`` (blocks along K), dgrad ``"col"`` (blocks along N).
+- **grouped** weight: the HF parameter is ``[E, N, K]`` (e.g. ``gate_up_proj [E, 2F, H]``) but the
+  GMM consumes its transpose ``w_EKN``; storage and operands are of the GMM view ``[E, K, N]``
+  (contiguous): fprop uses ``"col"`` (blocks along K), dgrad ``"row"`` (blocks along N).
+
+Dispatch rule (``__torch_dispatch__``; one ``@_implements`` table per class, duplicate
+registration rejected). For a ``QuantizedWeightTensor``:
+
+1. *Aliases of the same region* — ``detach``, ``alias``, and ``view``/``_unsafe_view``/
+   ``as_strided`` that keep shape and strides (``DTensor.to_local`` is such a view) — return a
+   wrapper sharing the weight state (storage and refresh count): an alias *is* the same weight.
+2. *Region-changing structural ops FSDP2 uses to carve and pad shards* — ``slice`` (``narrow``),
+   ``split``/``split_with_sizes`` (``chunk``) — and *allocations* — ``new_zeros``,
+   ``new_empty``, ``new_empty_strided``, ``empty_like`` — return wrappers over the master's
+   result whose storage is **not built**: a new shard is quantised by the next refresh
+   (``refresh_low_precision_weights`` after ``fully_shard``), never from its parent's bytes.
+3. ``clone`` copies master and storage; ``_to_copy`` to another device keeps the subclass (master
+   and storage move), ``_to_copy`` to another dtype returns the master's values as a plain tensor.
+4. ``copy_`` and every other in-place op mutating a wrapper (AdamW's ``mul_``/``addcdiv_``/
+   ``lerp_`` and their ``_foreach_*_`` forms, ``nn.init`` fills) run on the master and return the
+   wrapper; the storage keeps the last refreshed bytes until the next refresh (design spec §10).
+   In-place ops that change metadata (``inplace_view`` tag, ``resize_``, ``set_``) raise.
+5. GEMMs on the wrapper (``mm``, ``addmm``, ``bmm``, ``linear``, ``_grouped_mm``, ...) raise
+   ``TypeError``: they would be a silent high-precision GEMM; consume the weight via ``select``.
+6. Any other op returning an alias of its input (an unknown structural op: ``t``, ``transpose``,
+   ``permute``, a reshaping ``view`` is the exception below) raises ``NotImplementedError(op, cls)``.
+   A ``view``/``_unsafe_view`` to a *different* shape returns the plain view of the master
+   (FSDP2 keeps a flat 1-D view of the padded shard as raw bytes; a low-precision storage is
+   tied to its logical shape, so a reshaped view cannot carry one).
+7. Everything else is a compute op: it runs on the master and returns plain tensors
+   (``zeros_like`` too: AdamW's ``exp_avg``/``exp_avg_sq`` must be plain FP32 tensors).
+
+A :class:`GatheredWeightTensor` (what the gather extension builds) has no master: only
+aliases (rule 1) and ``zeros_like``/``empty_like``/``new_zeros`` (FSDP2's zero gradient for an
+unused parameter; plain results) are allowed, everything else raises.
+
+FSDP2. torch's FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the sharded
+local tensor. The weight forwards both to the *gather extension* the lifecycle layer installs
+(:func:`set_gather_extension`; ``lp_lightning.integration.fsdp`` does on import), which owns the
+gather schema, the phase and the unpacking; the weight only keeps the extension's per-weight
+settings (``gather_policy``) and state. A weight gathered without an extension raises.
+
+Tensor-name legend: ``w_NK`` dense weight (N out-features, K in-features), ``w_ENK`` grouped HF
+parameter, ``w_EKN`` its GMM view, ``D0`` the sharded (first) dim of the parameter, ``W`` the
+FSDP shard-group size, ``S0`` rows per rank of the padded shard, ``L`` this rank's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand
+from lp_lightning.formats.quantizer import Quantizer
+from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
+from lp_lightning.formats.spec import ORIENTATIONS, AmaxScope, Orientation, WeightKind
+from lp_lightning.ops.api import quantize_dual
+from lp_lightning.tensor.storage import ALL_STORAGE_NAMES, note_refresh, storage_names, storage_spec
+
+__all__ = [
+    "GatheredWeightTensor",
+    "QuantizedWeightTensor",
+    "gather_extension",
+    "is_low_precision_weight",
+    "is_master_of",
+    "set_gather_extension",
+    "weight_quantizer",
+]
+
+aten = torch.ops.aten
+
+_ORIENTATIONS = ORIENTATIONS
+
+_GATHER_EXTENSION: Any = None
+
+
+def set_gather_extension(extension: Any) -> None:
+    """Install the FSDP2 gather extension (an object with ``pre_all_gather(weight, mesh, outer_size,
+    outer_stride, module, mp_policy)`` and ``post_all_gather(weight, outputs, metadata, param_dtype,
+    out=None)``); the lifecycle layer does this when imported."""
+    global _GATHER_EXTENSION
+    _GATHER_EXTENSION = extension
+
+
+def gather_extension() -> Any:
+    """The installed gather extension.
+
+    Raises:
+        RuntimeError: none is installed (``lp_lightning.integration`` was never imported).
+    """
+    if _GATHER_EXTENSION is None:
+        raise RuntimeError(
+            "FSDP2 gathered a low-precision weight but no gather extension is installed; import "
+            "lp_lightning.integration (finalize_low_precision_weights does) before fully_shard."
+        )
+    return _GATHER_EXTENSION
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared machinery of the two wrapper classes.
+
+
+class _WeightState:
+    """Mutable state shared by a weight and its aliases (rule 1): storage tensors and counters."""
+
+    __slots__ = ("gather_layout", "gather_policy", "orientations", "refresh_count", "scale_scratch", "storage")
+
+    def __init__(
+        self,
+        storage: dict[str, torch.Tensor] | None = None,
+        refresh_count: int = 0,
+        orientations: tuple[Orientation, ...] = _ORIENTATIONS,
+        scale_scratch: torch.Tensor | None = None,
+        gather_policy: Any = None,
+    ) -> None:
+        self.storage = storage
+        self.refresh_count = refresh_count
+        self.orientations = orientations
+        self.scale_scratch = scale_scratch  # gather extension: scale bytes copied out of the gather
+        self.gather_policy = gather_policy  # gather extension's per-weight settings (None: its default)
+        self.gather_layout: Any = None  # gather extension: the schema of this weight's first FSDP2 gather
+
+
+_OpHandler = Callable[[type, Any, tuple, dict], Any]
+
+
+def _implements(table: dict[Any, _OpHandler], ops: Iterable[Any]) -> Callable[[_OpHandler], _OpHandler]:
+    """Register ``fn`` for ``ops`` in ``table``; registering an op twice raises."""
+
+    def decorator(fn: _OpHandler) -> _OpHandler:
+        for op in ops:
+            if op in table:
+                raise RuntimeError(f"{op} is already registered to {table[op].__name__}; refusing {fn.__name__}.")
+            table[op] = fn
+        return fn
+
+    return decorator
+
+
+_GEMM_OPS = frozenset(
+    {
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten.matmul,
+        aten.linear,
+        aten.mv,
+        aten.dot,
+        aten.addmv,
+        aten.addbmm,
+        aten._grouped_mm,
+        aten._scaled_mm,
+        aten.convolution,
+        aten._convolution,
+        aten.einsum,
+    }
+)
+
+
+class _LowPrecisionWeightBase(torch.Tensor):
+    """Declarations and behaviour shared by the persistent and the gathered weight.
+
+    Subclasses declare ``tensor_data_names`` (required inner tensors), ``storage_names`` (optional
+    inner tensors: the low-precision storage) and ``tensor_attribute_names`` once; flatten,
+    unflatten and repr are generated from them.
+    """
+
+    tensor_data_names: ClassVar[tuple[str, ...]] = ()
+    storage_names: ClassVar[tuple[str, ...]] = ALL_STORAGE_NAMES
+    tensor_attribute_names: ClassVar[tuple[str, ...]] = ()
+    _op_table: ClassVar[dict[Any, _OpHandler]]
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    recipe: LowPrecisionRecipe
+    kind: WeightKind
+    fqn: str
+    _state: _WeightState
+
+    # -- declared storage -------------------------------------------------------------------
+    @property
+    def format(self) -> Any:
+        """The weight's ``FormatSpec`` (the recipe's)."""
+        return self.recipe.format
+
+    def _storage_tensor(self, name: str) -> torch.Tensor | None:
+        storage = self._state.storage
+        return None if storage is None else storage.get(name)
+
+    @property
+    def low_precision_storage(self) -> Mapping[str, torch.Tensor]:
+        """Read-only ``{name: tensor}`` of the built storage (names of :func:`storage_spec`); empty if unbuilt."""
+        return MappingProxyType(dict(self._state.storage or {}))
+
+    @property
+    def is_built(self) -> bool:
+        """Whether the low-precision storage exists (see the module docstring, rule 2)."""
+        return self._state.storage is not None
+
+    @property
+    def refresh_count(self) -> int:
+        """How many times this weight's storage was built from its master."""
+        return self._state.refresh_count
+
+    # -- flatten / unflatten / repr from the declaration ---------------------------------------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
+        names = [n for n in self.tensor_data_names]
+        names += [f"storage_{n}" for n in self.storage_names if self._storage_tensor(n) is not None]
+        ctx = tuple(getattr(self, a) for a in self.tensor_attribute_names)
+        return names, (ctx, self._state.refresh_count, self._state.orientations)
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner_tensors: dict[str, torch.Tensor], ctx: tuple[Any, ...], outer_size: Any, outer_stride: Any
+    ) -> _LowPrecisionWeightBase:
+        attrs, refresh_count, orientations = ctx
+        storage = {n: inner_tensors[f"storage_{n}"] for n in cls.storage_names if f"storage_{n}" in inner_tensors}
+        state = _WeightState(storage or None, refresh_count, orientations)
+        kwargs = dict(zip(cls.tensor_attribute_names, attrs))
+        required = {n: inner_tensors[n] for n in cls.tensor_data_names}
+        return cls._rebuild(required, kwargs, state, tuple(outer_size), tuple(outer_stride))
+
+    @classmethod
+    def _rebuild(
+        cls,
+        required: dict[str, torch.Tensor],
+        attrs: dict[str, Any],
+        state: _WeightState,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+    ) -> _LowPrecisionWeightBase:
+        raise NotImplementedError(cls)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        parts = [f"shape={tuple(self.shape)}", f"dtype={self.dtype}"]
+        for name in self.tensor_attribute_names:
+            value = getattr(self, name)
+            if isinstance(value, LowPrecisionRecipe):
+                value = value.name
+            elif isinstance(value, Enum):
+                value = value.value
+            parts.append(f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}")
+        for name in self.tensor_data_names:
+            t = getattr(self, name)
+            parts.append(f"{name}={t.dtype}{list(t.shape)}")
+        if self.is_built:
+            for name in self.storage_names:
+                t = self._storage_tensor(name)
+                if t is not None:
+                    parts.append(f"{name}={t.dtype}{list(t.shape)}")
+        else:
+            parts.append("storage=<not built>")
+        parts.append(f"refresh_count={self.refresh_count}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        """An independent copy via ``clone`` (recipe and policy are immutable and shared)."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if getattr(self, "_is_param", False):
+            new = nn.Parameter(new, requires_grad=self.requires_grad)
+        elif self.requires_grad:
+            new.requires_grad_(True)
+        memo[id(self)] = new
+        return new
+
+    # -- select ----------------------------------------------------------------------------
+    def select(self, orientation: Orientation, *args: Any) -> QuantizedOperand:  # type: ignore[override]
+        """The operand of one GEMM direction: a view of the storage plus orientation metadata.
+
+        No quantisation and no copy happen here (design spec §7.2–7.3): MXFP8 picks the row or col
+        copy, HiF8 describes its single ``data`` for the orientation. Shapes are those of the
+        GEMM view (dense ``[N, K]``; grouped ``[E, K, N]``).
+
+        Args:
+            orientation: ``"row"`` (blocks along the GEMM view's last dim) or ``"col"`` (along
+                dim −2). This overrides ``torch.Tensor.select(dim, index)``, which a
+                low-precision weight does not support.
+
+        Returns:
+            ``QuantizedOperand`` with ``logical_dtype`` = this tensor's dtype.
+
+        Raises:
+            TypeError: for ``select(dim, index)``-style arguments.
+            ValueError: for an illegal orientation, an unbuilt storage, or an orientation this
+                (gathered) copy does not carry.
+        """
+        if args or not isinstance(orientation, str):
+            raise TypeError(
+                f"{type(self).__name__}.select takes one orientation ('row' or 'col'), got "
+                f"{(orientation, *args)!r}; integer indexing (torch.Tensor.select) is not defined on a "
+                "low-precision weight — index its master instead."
+            )
+        if orientation not in _ORIENTATIONS:
+            raise ValueError(f"{type(self).__name__}.select: orientation={orientation!r}; legal values: 'row', 'col'.")
+        if not self.is_built:
+            raise ValueError(
+                f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: the low-precision storage "
+                "is not built (a fresh FSDP2 shard or a copy). Call "
+                "lp_lightning.integration.refresh_low_precision_weights(model.parameters()) after "
+                "fully_shard / load, before the first forward."
+            )
+        if orientation not in self._state.orientations:
+            raise ValueError(
+                f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: this all-gathered copy "
+                f"carries only {self._state.orientations}; FSDP2 did not re-gather before this pass as the GatherPolicy "
+                "expected. Finalize with GatherPolicy(reshard_after_forward=False) or activation_checkpoint='full'."
+            )
+        data_name, scale_name = storage_names(self.format, orientation)
+        format_max = getattr(weight_quantizer(self.recipe), "format_max", None) if self.format.uses_format_max else None
+        return QuantizedOperand(
+            data=self._storage_tensor(data_name),
+            scale=self._storage_tensor(scale_name),
+            logical_dtype=self.dtype,
+            format=self.format,
+            orientation=orientation,
+            format_max=format_max,
+        )
+
+    # -- dispatch --------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        handler = cls._op_table.get(func)
+        if handler is not None:
+            return handler(cls, func, args, kwargs)
+        if func.overloadpacket in _GEMM_OPS:
+            raise TypeError(
+                f"{func} on a {cls.__name__} would run a high-precision GEMM on the weight; low-precision "
+                "modules consume it through weight.select(orientation) and lp_lightning.ops (no silent "
+                "BF16/FP32 fallback, requirement R6 (docs/design.md))."
+            )
+        return cls._generic(func, args, kwargs)
+
+    @classmethod
+    def _generic(cls, func: Any, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError(func, cls)
+
+
+for _name in ALL_STORAGE_NAMES:  # ``storage_<name>`` attributes: what __tensor_flatten__ names
+    setattr(
+        _LowPrecisionWeightBase,
+        f"storage_{_name}",
+        property(lambda self, _n=_name: self._storage_tensor(_n), doc=f"Storage tensor {_name!r} (None if absent)."),
+    )
+
+
+_STRUCTURAL_HINT = (
+    "a low-precision weight supports no reshaping/transposing view (F.linear and matmul transpose their "
+    "weight); GEMMs consume it through select(orientation), the master is available as .master"
+)
+
+
+def weight_quantizer(recipe: LowPrecisionRecipe) -> Quantizer:
+    """The quantizer that builds a persistent weight's storage for both fprop and dgrad.
+
+    A weight is quantized once per refresh and serves both passes (design spec §7.2–7.3), so the
+    recipe's WEIGHT_FWD and WEIGHT_BWD quantizers must be equal.
+
+    Raises:
+        ValueError: they differ (naming both).
+    """
+    q_fwd = recipe.quantizer(QuantizationRole.WEIGHT_FWD)
+    q_bwd = recipe.quantizer(QuantizationRole.WEIGHT_BWD)
+    if q_fwd != q_bwd:
+        raise ValueError(
+            f"recipe {recipe.name!r}: a weight is quantized once for fprop and dgrad (design spec §7.3), so "
+            f"WEIGHT_FWD and WEIGHT_BWD must be equal; got {q_fwd!r} and {q_bwd!r}."
+        )
+    return q_fwd
+
+
+def _mutated_args(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The argument values the op writes to (schema ``Tensor(a!)``)."""
+    mutated = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            if arg.kwarg_only or i >= len(args):
+                if arg.name in kwargs:
+                    mutated.append(kwargs[arg.name])
+            else:
+                mutated.append(args[i])
+    return mutated
+
+
+def _contains(values: Iterable[Any], cls: type) -> bool:
+    for value in values:
+        if isinstance(value, cls):
+            return True
+        if isinstance(value, (list, tuple)) and any(isinstance(v, cls) for v in value):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# QuantizedWeightTensor: master + derived storage.
+
+_QWT_OPS: dict[Any, _OpHandler] = {}
+
+
+class QuantizedWeightTensor(_LowPrecisionWeightBase):
+    """A persistent low-precision weight: FP32 master plus derived storage (design spec §7.2–7.3, §13.4).
+
+    Build with :meth:`from_master` (or :func:`finalize_low_precision_weights` for a whole model).
+    The module docstring states the dispatch rule and the FSDP2 gather schema.
+
+    Attributes:
+        master: The high-precision master (plain tensor of the logical shape and dtype).
+        recipe: The ``LowPrecisionRecipe`` whose WEIGHT quantizer builds the storage.
+        kind: ``WeightKind.DENSE`` or ``WeightKind.GROUPED``.
+        fqn: Parameter FQN (for messages and probes; ``""`` if unknown).
+        gather_policy: The gather extension's per-weight settings (``lp_lightning.integration.fsdp.GatherPolicy``).
+    """
+
+    tensor_data_names: ClassVar[tuple[str, ...]] = ("master",)
+    tensor_attribute_names: ClassVar[tuple[str, ...]] = ("recipe", "kind", "fqn", "gather_policy")
+    _op_table: ClassVar[dict[Any, _OpHandler]] = _QWT_OPS
+
+    master: torch.Tensor
+
+    @staticmethod
+    def __new__(
+        cls,
+        master: torch.Tensor,
+        *,
+        recipe: LowPrecisionRecipe,
+        kind: WeightKind,
+        fqn: str = "",
+        gather_policy: Any = None,
+        state: _WeightState | None = None,
+        requires_grad: bool = False,
+    ) -> QuantizedWeightTensor:
+        if isinstance(master, _LowPrecisionWeightBase) or not isinstance(master, torch.Tensor):
+            raise TypeError(f"QuantizedWeightTensor: master must be a plain torch.Tensor, got {type(master).__name__}.")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            master.shape,
+            strides=master.stride(),
+            storage_offset=master.storage_offset(),
+            dtype=master.dtype,
+            device=master.device,
+            layout=master.layout,
+            requires_grad=requires_grad,
+        )
+        self.master = master
+        self.recipe = recipe
+        self.kind = kind
+        self.fqn = fqn
+        self._state = state if state is not None else _WeightState()
+        if gather_policy is not None:
+            self._state.gather_policy = gather_policy
+        return self
+
+    @property
+    def gather_policy(self) -> Any:
+        """The gather extension's settings (shared by aliases; fixed once FSDP2 gathered the weight)."""
+        return self._state.gather_policy
+
+    @gather_policy.setter
+    def gather_policy(self, policy: Any) -> None:
+        if self._state.gather_layout is not None and policy != self._state.gather_policy:
+            raise ValueError(
+                f"{self.fqn!r}: the gather policy cannot change after the first FSDP2 all-gather (FSDP2 sized the "
+                "all-gather buffers from the first call); set it before the first forward."
+            )
+        self._state.gather_policy = policy
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # all work is in __new__
+        super().__init__()
+
+    @classmethod
+    def _rebuild(cls, required, attrs, state, shape, stride):  # noqa: ANN001, ANN206 - see base
+        return cls(required["master"], state=state, **attrs)
+
+    def _derive(self, master: torch.Tensor, state: _WeightState | None = None) -> QuantizedWeightTensor:
+        if state is None:
+            state = _WeightState(gather_policy=self.gather_policy)
+        return QuantizedWeightTensor(master, recipe=self.recipe, kind=self.kind, fqn=self.fqn, state=state)
+
+    @classmethod
+    def from_master(
+        cls,
+        master: torch.Tensor,
+        *,
+        recipe: LowPrecisionRecipe | str,
+        kind: WeightKind | str,
+        fqn: str = "",
+        gather_policy: Any = None,
+        requires_grad: bool = False,
+    ) -> QuantizedWeightTensor:
+        """Wrap ``master`` and build its storage once (a refresh, counted).
+
+        Args:
+            master: Plain floating tensor: ``[N, K]`` for ``kind="dense"``, ``[E, N, K]`` for
+                ``"grouped"``. Kept by reference (no copy); the optimizer updates it.
+            recipe: A ``LowPrecisionRecipe`` or a format name (``"mxfp8_e4m3"``, ``"hif8"``).
+            kind: ``"dense"`` or ``"grouped"``.
+            fqn: Parameter FQN for messages and probes.
+            gather_policy: The gather extension's settings (``integration.fsdp.GatherPolicy``).
+            requires_grad: ``requires_grad`` of the wrapper.
+
+        Returns:
+            A built ``QuantizedWeightTensor`` with ``refresh_count == 1``.
+
+        Raises:
+            TypeError: for a non-float or subclass master.
+            ValueError: for a shape that does not fit ``kind`` or has an empty dimension.
+        """
+        recipe = recipe if isinstance(recipe, LowPrecisionRecipe) else recipe_for(recipe)
+        kind = WeightKind.parse(kind)
+        _check_master(master, kind, fqn)
+        weight = cls(
+            master.detach(), recipe=recipe, kind=kind, fqn=fqn, gather_policy=gather_policy, requires_grad=requires_grad
+        )
+        weight.refresh_from_master()
+        return weight
+
+    # -- refresh ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def refresh_from_master(
+        self, master_shard: torch.Tensor | None = None, *, amax: torch.Tensor | None = None
+    ) -> None:
+        """(Re)build the low-precision storage from the master: the only way it changes (design spec §10, §13.4).
+
+        One dual quantisation (``lp_lightning.ops.quantize_dual``, on the backend in force) of the
+        dense weight or of the grouped GMM view with the recipe's weight quantizer. A weight whose
+        scale is per tensor (``AmaxScope.TENSOR``, HiF8 dense) may take a precomputed ``amax`` (the
+        MAX over its FSDP group, design spec §9.2); per-block and per-group scales are local.
+
+        Args:
+            master_shard: Optional; if given it must alias this weight's master (the same tensor,
+                or a plain view with the same storage, offset, shape and strides) — a guard that
+                the storage is never rebuilt from anything else (e.g. a dequantised weight).
+            amax: Per-tensor-scaled weights only: FP32 0-d amax to use instead of the local one.
+
+        Raises:
+            ValueError: ``master_shard`` is not this weight's master, or ``amax`` is given for a
+                weight whose scale is not per tensor.
+        """
+        if master_shard is not None and not _aliases(master_shard, self.master):
+            raise ValueError(
+                f"refresh_from_master({self.fqn!r}): master_shard (shape {tuple(master_shard.shape)}, dtype "
+                f"{master_shard.dtype}) is not this weight's master; the storage is only rebuilt from the "
+                "authoritative FP32 master (design spec §10), never from a copy or a dequantised weight."
+            )
+        if amax is not None and self.amax_scope is not AmaxScope.TENSOR:
+            raise ValueError(
+                f"refresh_from_master({self.fqn!r}): amax is only used by per-tensor scales; this "
+                f"{self.format.name} {self.kind.value} weight has {self.amax_scope.value} scales."
+            )
+        self._state.storage = _quantize_storage(self.master, self.recipe, self.kind, amax)
+        self._state.refresh_count += 1
+        note_refresh(self)
+
+    @property
+    def amax_scope(self) -> AmaxScope:
+        """Where this weight's scale comes from (``FormatSpec.weight_amax_scope`` of its kind)."""
+        return self.format.weight_amax_scope(self.kind)
+
+    def local_amax(self) -> torch.Tensor:
+        """The master's amax as the weight quantizer computes it (current-scaling formats)."""
+        return weight_quantizer(self.recipe).compute_amax(self.master)
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """The master's storage: a weight's bytes in memory are its master's (FSDP2 compares it)."""
+        return self.master.untyped_storage()
+
+    # -- FSDP2 extension (torch calls these on the local shard; the lifecycle layer answers) ----
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """FSDP2's pre-all-gather hook: the installed gather extension's physical tensors (design spec §9, §13.5)."""
+        return gather_extension().pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[GatheredWeightTensor, tuple[torch.Tensor, ...]] | None:
+        """FSDP2's post-all-gather hook: the installed gather extension rebuilds the full weight."""
+        return gather_extension().post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+
+    # -- dispatch rules 4, 6, 7 --------------------------------------------------------------
+    @classmethod
+    def _generic(cls, func: Any, args: tuple, kwargs: dict) -> Any:
+        mutated = _mutated_args(func, args, kwargs)
+        unwrap = lambda t: t.master  # noqa: E731
+        if _contains(mutated, cls):
+            name = func.overloadpacket.__name__
+            if torch.Tag.inplace_view in func.tags or name in ("resize_", "set_", "resize_as_", "detach_"):
+                raise NotImplementedError(func, cls, _STRUCTURAL_HINT)
+            wrappers = {}
+            for value in mutated:
+                for v in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(v, cls):
+                        wrappers[id(v.master)] = v
+            out = func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
+            return tree_map_only(torch.Tensor, lambda t: wrappers.get(id(t), t), out)
+        if any(r.alias_info is not None for r in func._schema.returns):
+            raise NotImplementedError(func, cls, _STRUCTURAL_HINT)
+        return func(*tree_map_only(cls, unwrap, args), **tree_map_only(cls, unwrap, kwargs))
+
+
+def is_master_of(candidate: torch.Tensor, weight: QuantizedWeightTensor) -> bool:
+    """Whether ``candidate`` is ``weight``'s master: the master itself, an alias wrapper of the
+    weight, or a plain tensor viewing the same memory with the same shape, strides and dtype."""
+    return _aliases(candidate, weight.master)
+
+
+def _aliases(candidate: torch.Tensor, master: torch.Tensor) -> bool:
+    if candidate is master:
+        return True
+    if isinstance(candidate, QuantizedWeightTensor):
+        candidate = candidate.master
+    if isinstance(candidate, _LowPrecisionWeightBase) or not isinstance(candidate, torch.Tensor):
+        return False
+    return (
+        candidate.device == master.device
+        and candidate.dtype == master.dtype
+        and tuple(candidate.shape) == tuple(master.shape)
+        and candidate.stride() == master.stride()
+        and (candidate.numel() == 0 or candidate.data_ptr() == master.data_ptr())
+    )
+
+
+def _check_master(master: torch.Tensor, kind: WeightKind, fqn: str) -> None:
+    if not isinstance(master, torch.Tensor) or isinstance(master, _LowPrecisionWeightBase):
+        raise TypeError(f"{fqn or 'weight'}: the master must be a plain tensor, got {type(master).__name__}.")
+    if master.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{fqn or 'weight'}: master dtype {master.dtype} is not float32/bfloat16/float16.")
+    want = 2 if kind is WeightKind.DENSE else 3
+    if master.dim() != want or 0 in master.shape:
+        raise ValueError(
+            f"{fqn or 'weight'}: a {kind.value} weight must be a {want}-D tensor with no empty dimension "
+            f"({'[N, K]' if want == 2 else '[E, N, K]'}), got shape {tuple(master.shape)}."
+        )
+
+
+def _quantize_storage(
+    master: torch.Tensor, recipe: LowPrecisionRecipe, kind: WeightKind, amax: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Quantise ``master`` (``[L, K]`` or ``[L, N, K]``, ``L`` possibly 0) into the declared storage."""
+    spec = recipe.format
+    declared = storage_spec(spec, kind, tuple(master.shape))
+    view = master if kind is WeightKind.DENSE else master.transpose(-1, -2)
+    quantizer = weight_quantizer(recipe)
+    kwargs = {} if amax is None else {"amax": amax.to(device=master.device, dtype=torch.float32)}
+    if master.numel() == 0:  # an empty FSDP2 shard: the portable codec keeps the declared schema
+        row, col = quantizer.quantize_dual(view, **kwargs)
+    else:
+        row, col = quantize_dual(quantizer, view, **kwargs)
+    storage: dict[str, torch.Tensor] = {}
+    for operand in (row, col) if spec.physical_orientation else (row,):
+        data_name, scale_name = storage_names(spec, operand.orientation)
+        storage[data_name] = operand.data.contiguous()
+        storage[scale_name] = operand.scale.contiguous()
+    for name, (shape, dtype) in declared.items():
+        t = storage[name]
+        assert tuple(t.shape) == shape and t.dtype == dtype, (name, tuple(t.shape), t.dtype, shape, dtype)
+    return storage
+
+
+@_implements(_QWT_OPS, [aten.detach.default, aten.alias.default])
+def _qwt_alias(cls: type, func: Any, args: tuple, kwargs: dict) -> QuantizedWeightTensor:
+    (self,) = args
+    return self._derive(func(self.master), self._state)
+
+
+@_implements(_QWT_OPS, [aten.view.default, aten._unsafe_view.default])
+def _qwt_view(cls: type, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self, size = args[0], args[1]
+    out = func(self.master, size)
+    if tuple(out.shape) == tuple(self.shape):
+        return self._derive(out, self._state)
+    return out  # rule 6: a reshaped view is the master's (FSDP2's flat byte view of the padded shard)
+
+
+@_implements(_QWT_OPS, [aten.as_strided.default])
+def _qwt_as_strided(cls: type, func: Any, args: tuple, kwargs: dict) -> QuantizedWeightTensor:
+    self = args[0]
+    out = func(self.master, *args[1:], **kwargs)
+    if (tuple(out.shape), out.stride(), out.storage_offset()) == (
+        tuple(self.master.shape),
+        self.master.stride(),
+        self.master.storage_offset(),
+    ):
+        return self._derive(out, self._state)
+    raise NotImplementedError(func, cls)
+
+
+@_implements(
+    _QWT_OPS,
+    [
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.narrow.default,
+        aten.chunk.default,
+        aten.new_zeros.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.empty_like.default,
+    ],
+)
+def _qwt_fresh(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
+    self = args[0]
+    out = func(self.master, *args[1:], **kwargs)
+    return tree_map_only(torch.Tensor, lambda t: self._derive(t), out)
+
+
+@_implements(_QWT_OPS, [aten.clone.default])
+def _qwt_clone(cls: type, func: Any, args: tuple, kwargs: dict) -> QuantizedWeightTensor:
+    self = args[0]
+    state = self._state
+    storage = None if state.storage is None else {n: t.clone() for n, t in state.storage.items()}
+    cloned_state = _WeightState(storage, state.refresh_count, gather_policy=state.gather_policy)
+    return self._derive(func(self.master, *args[1:], **kwargs), cloned_state)
+
+
+@_implements(_QWT_OPS, [aten._to_copy.default])
+def _qwt_to_copy(cls: type, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self = args[0]
+    out = func(self.master, *args[1:], **kwargs)
+    if out.dtype != self.master.dtype:
+        return out  # rule 3: a dtype conversion is a value conversion of the master
+    state = self._state
+    storage = None
+    if state.storage is not None:
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        storage = {n: t.to(device=out.device, non_blocking=non_blocking) for n, t in state.storage.items()}
+    return self._derive(out, _WeightState(storage, state.refresh_count, gather_policy=state.gather_policy))
+
+
+@_implements(_QWT_OPS, [aten.copy_.default])
+def _qwt_copy_(cls: type, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    dst, src = args[0], args[1]
+    src_plain = src.master if isinstance(src, QuantizedWeightTensor) else src
+    if isinstance(src_plain, _LowPrecisionWeightBase):
+        raise TypeError(f"copy_ from a {type(src_plain).__name__}: a gathered weight has no high-precision values.")
+    if isinstance(dst, QuantizedWeightTensor):
+        func(dst.master, src_plain, *args[2:], **kwargs)
+        return dst
+    return func(dst, src_plain, *args[2:], **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# GatheredWeightTensor: the unsharded compute weight FSDP2 rebuilds (no master).
+
+_GATHERED_OPS: dict[Any, _OpHandler] = {}
+
+
+class GatheredWeightTensor(_LowPrecisionWeightBase):
+    """The full logical weight rebuilt by ``fsdp_post_all_gather``: storage views, no master.
+
+    It lives only inside FSDP2's unshard window (design spec §9.3); its storage points into the
+    all-gather buffers FSDP2 frees at reshard and refills in place on the next gather. Use
+    ``select``; compute ops raise (there are no high-precision values to compute with).
+
+    Attributes:
+        recipe, kind, fqn: As the sharded :class:`QuantizedWeightTensor`.
+        orientations: The orientations this gather carried (the gather extension's policy).
+    """
+
+    tensor_attribute_names: ClassVar[tuple[str, ...]] = ("recipe", "kind", "fqn", "logical_dtype")
+    _op_table: ClassVar[dict[Any, _OpHandler]] = _GATHERED_OPS
+
+    @staticmethod
+    def __new__(
+        cls,
+        shape: tuple[int, ...],
+        *,
+        logical_dtype: torch.dtype,
+        recipe: LowPrecisionRecipe,
+        kind: WeightKind,
+        fqn: str,
+        state: _WeightState,
+        device: torch.device,
+        stride: tuple[int, ...] | None = None,
+        requires_grad: bool = False,
+    ) -> GatheredWeightTensor:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shape,
+            strides=stride if stride is not None else _contiguous_strides(shape),
+            dtype=logical_dtype,
+            device=device,
+            requires_grad=requires_grad,
+        )
+        self.recipe = recipe
+        self.kind = kind
+        self.fqn = fqn
+        self._state = state
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    @property
+    def orientations(self) -> tuple[Orientation, ...]:
+        """Orientations the current gather carried."""
+        return self._state.orientations
+
+    @property
+    def logical_dtype(self) -> torch.dtype:
+        """The gathered weight's dtype (FSDP2's ``param_dtype``)."""
+        return self.dtype
+
+    @classmethod
+    def _rebuild(cls, required, attrs, state, shape, stride):  # noqa: ANN001, ANN206 - see base
+        device = next(iter(state.storage.values())).device if state.storage else torch.device("cpu")
+        return cls(shape, state=state, device=device, stride=stride, **attrs)
+
+    def _alias(self) -> GatheredWeightTensor:
+        return GatheredWeightTensor(
+            tuple(self.shape),
+            logical_dtype=self.dtype,
+            recipe=self.recipe,
+            kind=self.kind,
+            fqn=self.fqn,
+            state=self._state,
+            device=self.device,
+            stride=self.stride(),
+        )
+
+    @classmethod
+    def _generic(cls, func: Any, args: tuple, kwargs: dict) -> Any:
+        if any(r.alias_info is not None for r in func._schema.returns):
+            raise NotImplementedError(func, cls, _STRUCTURAL_HINT)
+        raise TypeError(
+            f"{func} on a GatheredWeightTensor: the all-gathered low-precision weight has no high-precision "
+            "values; consume it through select(orientation) (the FP32 master lives in the sharded parameter)."
+        )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@_implements(_GATHERED_OPS, [aten.detach.default, aten.alias.default])
+def _gathered_alias(cls: type, func: Any, args: tuple, kwargs: dict) -> GatheredWeightTensor:
+    return args[0]._alias()
+
+
+@_implements(_GATHERED_OPS, [aten.view.default, aten._unsafe_view.default, aten.as_strided.default])
+def _gathered_view(cls: type, func: Any, args: tuple, kwargs: dict) -> GatheredWeightTensor:
+    self = args[0]
+    size = tuple(args[1])
+    same = size == tuple(self.shape)
+    if func is aten.as_strided.default:
+        stride = tuple(args[2])
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+        same = same and stride == self.stride() and not offset
+    if not same:
+        raise NotImplementedError(func, cls)
+    return self._alias()
+
+
+@_implements(_GATHERED_OPS, [aten.zeros_like.default, aten.empty_like.default, aten.new_zeros.default])
+def _gathered_alloc(cls: type, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    self = args[0]
+    kwargs = dict(kwargs)
+    kwargs.pop("memory_format", None)
+    if func is aten.new_zeros.default:
+        return torch.zeros(tuple(args[1]), dtype=kwargs.get("dtype") or self.dtype, device=self.device)
+    maker = torch.zeros if func is aten.zeros_like.default else torch.empty
+    return maker(tuple(self.shape), dtype=kwargs.get("dtype") or self.dtype, device=kwargs.get("device") or self.device)
+
+
+
+
+def is_low_precision_weight(tensor: object) -> bool:
+    """Whether ``tensor`` is a persistent or an all-gathered low-precision weight (public check for probes)."""
+    return isinstance(tensor, _LowPrecisionWeightBase)
