@@ -65,7 +65,9 @@ from lp_lightning.formats.registry import format_spec
 from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, WeightKind, shard_rows
 from lp_lightning.tensor.storage import nbytes as _nbytes
 from lp_lightning.tensor.storage import storage_spec
-from lp_lightning.tensor.weight import GatheredWeightTensor, QuantizedWeightTensor, _WeightState, set_gather_extension
+from lp_lightning.tensor.base import _WeightState, set_gather_extension
+from lp_lightning.tensor.gathered import GatheredWeightTensor
+from lp_lightning.tensor.weight import QuantizedWeightTensor
 
 __all__ = [
     "GatherEvent",

@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
 from lp_lightning.formats.spec import FormatSpec, WeightKind
 from lp_lightning.integration.gather import GatherPolicy
-from lp_lightning.tensor.weight import QuantizedWeightTensor, _check_master, _LowPrecisionWeightBase
+from lp_lightning.tensor.base import _LowPrecisionWeightBase
+from lp_lightning.tensor.weight import QuantizedWeightTensor, _check_master
 
 __all__ = [
     "LowPrecisionWeightRecord",

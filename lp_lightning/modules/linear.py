@@ -32,7 +32,9 @@ from lp_lightning.policy import LowPrecisionPolicy
 __all__ = ["LowPrecisionLinear", "replace_low_precision_linear"]
 
 
-def check_factory_arguments(who: str, source: nn.Module, expected: type, fqn: object, policy: object) -> None:
+def check_factory_arguments(
+    who: str, source: nn.Module, expected: type, fqn: object, policy: object, *, require_policy: bool = True
+) -> None:
     """Validate a replacement factory's arguments (shared by the Linear and experts factories).
 
     Args:
@@ -41,6 +43,7 @@ def check_factory_arguments(who: str, source: nn.Module, expected: type, fqn: ob
         expected: The required class (subclasses and wrappers are rejected).
         fqn: The module's fully qualified name; a non-empty ``str``.
         policy: A ``LowPrecisionPolicy`` with ``enabled=True``.
+        require_policy: ``False`` for constructors that take a recipe instead (``policy`` unused).
 
     Raises:
         TypeError: naming the FQN, for a ``source`` of another type (incl. subclasses) or a
@@ -57,6 +60,8 @@ def check_factory_arguments(who: str, source: nn.Module, expected: type, fqn: ob
             f"{expected.__module__}.{expected.__qualname__} can be replaced (subclasses and wrappers change "
             "behaviour the low-precision module would not keep). Exclude this FQN from the rule."
         )
+    if not require_policy:
+        return
     if not isinstance(policy, LowPrecisionPolicy):
         raise TypeError(
             f"{who}: policy for {fqn!r} must be an lp_lightning.policy.LowPrecisionPolicy, got {type(policy).__name__}."
@@ -93,7 +98,7 @@ class LowPrecisionLinear(nn.Linear):
             low-precision weights are built, a tensor whose ``select(orientation)`` yields the
             quantized operands.
         bias: The source's bias ``Parameter`` ``[out_features]`` or None; stays high precision.
-        policy: The ``LowPrecisionPolicy`` the module was built with.
+        policy: The ``LowPrecisionPolicy`` the module was built with (``None`` from :meth:`from_linear`).
         recipe: The ``LowPrecisionRecipe`` of ``policy.format`` (per-role quantizers).
         fqn: The module's fully qualified name in the model (for messages and reports).
         low_precision_weight_names: Class attribute ``("weight",)``: the parameter that
@@ -103,15 +108,50 @@ class LowPrecisionLinear(nn.Linear):
 
     low_precision_weight_names: ClassVar[tuple[str, ...]] = ("weight",)
     low_precision_weight_kind: ClassVar[str] = "dense"
-    policy: LowPrecisionPolicy
+    policy: "LowPrecisionPolicy | None"
     recipe: LowPrecisionRecipe
     fqn: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
             "LowPrecisionLinear is built from an existing nn.Linear: use "
-            "lp_lightning.modules.replace_low_precision_linear(source, fqn=..., policy=...)."
+            "lp_lightning.modules.replace_low_precision_linear(source, fqn=..., policy=...) or "
+            "LowPrecisionLinear.from_linear(source, fqn=..., recipe=...)."
         )
+
+    @classmethod
+    def from_linear(cls, source: nn.Linear, *, fqn: str, recipe: LowPrecisionRecipe) -> "LowPrecisionLinear":
+        """A ``LowPrecisionLinear`` computing with ``recipe`` that takes over ``source``'s parameters.
+
+        The format-agnostic constructor (any registered format's recipe); the replacement plan's
+        factory :func:`replace_low_precision_linear` calls it with the policy's recipe.
+        ``source`` is not modified: the new module is built on the meta device and registers
+        ``source.weight`` and ``source.bias`` — the same ``Parameter`` objects.
+
+        Args:
+            source: An exact ``torch.nn.Linear``.
+            fqn: The module's fully qualified name (non-empty).
+            recipe: A ``LowPrecisionRecipe``.
+
+        Raises:
+            TypeError: ``source`` is not exactly ``nn.Linear`` or ``recipe`` is not a recipe.
+            ValueError: an empty ``fqn``.
+        """
+        check_factory_arguments("LowPrecisionLinear.from_linear", source, nn.Linear, fqn, None, require_policy=False)
+        if not isinstance(recipe, LowPrecisionRecipe):
+            raise TypeError(f"LowPrecisionLinear.from_linear({fqn!r}): recipe must be a LowPrecisionRecipe, got {recipe!r}.")
+        module = cls.__new__(cls)
+        with torch.device("meta"):
+            nn.Linear.__init__(module, source.in_features, source.out_features, bias=source.bias is not None)
+        module.weight = source.weight
+        if source.bias is not None:
+            module.bias = source.bias
+        copy_plain_attributes(source, module)
+        module.policy = None
+        module.recipe = recipe
+        module.fqn = fqn
+        module.training = source.training
+        return module
 
     def forward(self, input: Tensor) -> Tensor:
         """``input · weightᵀ + bias`` with low-precision GEMMs.
@@ -159,17 +199,7 @@ def replace_low_precision_linear(source: nn.Linear, *, fqn: str, policy: LowPrec
             ``policy`` is not a ``LowPrecisionPolicy``.
         ValueError: for an empty ``fqn`` or a disabled policy.
     """
-    who = "replace_low_precision_linear"
-    check_factory_arguments(who, source, nn.Linear, fqn, policy)
-    module = LowPrecisionLinear.__new__(LowPrecisionLinear)
-    with torch.device("meta"):
-        nn.Linear.__init__(module, source.in_features, source.out_features, bias=source.bias is not None)
-    module.weight = source.weight
-    if source.bias is not None:
-        module.bias = source.bias
-    copy_plain_attributes(source, module)
+    check_factory_arguments("replace_low_precision_linear", source, nn.Linear, fqn, policy)
+    module = LowPrecisionLinear.from_linear(source, fqn=fqn, recipe=recipe_for(policy.format))
     module.policy = policy
-    module.recipe = recipe_for(policy.format)
-    module.fqn = fqn
-    module.training = source.training
     return module
