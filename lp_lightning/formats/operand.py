@@ -45,8 +45,7 @@ from enum import Enum
 
 import torch
 
-from lp_lightning.formats.registry import format_spec
-from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation
+from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, as_spec
 from lp_lightning.names import parse_enum
 
 __all__ = ["Orientation", "QuantizationRole", "QuantizedOperand"]
@@ -117,7 +116,7 @@ class QuantizedOperand:
     format_max: float | None = None
 
     def __post_init__(self) -> None:
-        spec = format_spec(self.format)
+        spec = as_spec(self.format)
         object.__setattr__(self, "format", spec)
         who = f"QuantizedOperand({spec.name}, {self.orientation})"
         if self.orientation not in ORIENTATIONS:

@@ -62,16 +62,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
 from lp_lightning.formats.operand import QuantizationRole
 from lp_lightning.formats.quantizer import Quantizer
-from lp_lightning.formats.registry import format_names, format_spec
-
-if TYPE_CHECKING:
-    from lp_lightning.formats.spec import FormatSpec
+from lp_lightning.formats.registry import format_names
+from lp_lightning.formats.spec import FormatSpec, as_spec
 
 __all__ = [
     "SQNR_FLOORS_DB",
@@ -106,7 +104,7 @@ class LowPrecisionRecipe:
     quantizers: Mapping[QuantizationRole, Quantizer] = field(repr=False)
 
     def __post_init__(self) -> None:
-        fmt = format_spec(self.format)
+        fmt = as_spec(self.format)
         object.__setattr__(self, "format", fmt)
         quantizers = {QuantizationRole.parse(role): q for role, q in self.quantizers.items()}
         missing = [role.value for role in QuantizationRole if role not in quantizers]
@@ -145,7 +143,7 @@ def recipe_for(format: FormatSpec | str) -> LowPrecisionRecipe:
     Raises:
         ValueError: for an unknown format, naming the legal values.
     """
-    return format_spec(format).recipe
+    return as_spec(format).recipe
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,7 +220,7 @@ class _SqnrTable(Mapping[SqnrKey, float]):
     def _merged(self) -> dict[SqnrKey, float]:
         merged: dict[SqnrKey, float] = {}
         for name in format_names():
-            merged.update({k: v[self._column] for k, v in format_spec(name).sqnr_table.items()})
+            merged.update({k: v[self._column] for k, v in as_spec(name).sqnr_table.items()})
         return merged
 
     def __getitem__(self, key: SqnrKey) -> float:

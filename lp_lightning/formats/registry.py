@@ -21,10 +21,7 @@ from __future__ import annotations
 import importlib
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from lp_lightning.formats.spec import FormatSpec
+from typing import Any
 
 __all__ = [
     "FormatEntry",
@@ -62,12 +59,12 @@ _ENTRIES: dict[str, FormatEntry] = {}
 _SPECS: dict[str, Any] = {}
 
 
-def register_format(entry: FormatEntry, spec: FormatSpec | None = None) -> None:
+def register_format(entry: FormatEntry, spec: Any = None) -> None:
     """Add a format (idempotent for an identical entry).
 
     Args:
         entry: The catalogue entry.
-        spec: The loaded spec, when the caller already has it (skips the lazy import).
+        spec: The loaded ``FormatSpec``, when the caller already has it (skips the lazy import).
 
     Raises:
         ValueError: another entry already uses the name or the ``--precision`` value.
@@ -103,20 +100,16 @@ def format_entry(name: object) -> FormatEntry:
     return entry
 
 
-def format_spec(name: object) -> FormatSpec:
-    """The :class:`~lp_lightning.formats.spec.FormatSpec` of a format (a spec is returned as is).
+def format_spec(name: object) -> Any:
+    """The :class:`~lp_lightning.formats.spec.FormatSpec` of a registered format name.
 
     Args:
-        name: A ``FormatSpec``, a format name, or a ``str``-valued Enum member.
+        name: A format name, or a ``str``-valued Enum member (``lp_lightning.formats.spec.as_spec``
+            also accepts a spec).
 
     Raises:
         ValueError: an unknown name.
     """
-    if not isinstance(name, str):
-        from lp_lightning.formats.spec import FormatSpec  # torch-level: only reached from torch code
-
-        if isinstance(name, FormatSpec):
-            return name
     entry = format_entry(name)
     spec = _SPECS.get(entry.name)
     if spec is None:

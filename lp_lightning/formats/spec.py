@@ -33,13 +33,14 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from lp_lightning.formats.registry import format_spec
 from lp_lightning.names import parse_enum
 
 if TYPE_CHECKING:
     from lp_lightning.formats.operand import QuantizedOperand
     from lp_lightning.formats.recipe import LowPrecisionRecipe
 
-__all__ = ["AmaxScope", "FormatSpec", "Orientation", "WeightKind", "shard_rows"]
+__all__ = ["AmaxScope", "FormatSpec", "Orientation", "WeightKind", "as_spec", "shard_rows"]
 
 Orientation = Literal["row", "col"]
 """``"row"``: blocks along the last dim (1×32); ``"col"``: blocks along dim −2 (32×1)."""
@@ -201,6 +202,13 @@ class FormatSpec(abc.ABC):
         return hash(self.name)
 
     def __reduce__(self) -> tuple[object, tuple[str]]:  # pickles (and deep-copies) as the registered instance
-        from lp_lightning.formats.registry import format_spec
-
         return (format_spec, (self.name,))
+
+
+def as_spec(format: FormatSpec | str) -> FormatSpec:
+    """``format`` as a :class:`FormatSpec`: a spec as is, a registered name (or ``str`` Enum) looked up.
+
+    Raises:
+        ValueError: an unknown name, listing the registered formats.
+    """
+    return format if isinstance(format, FormatSpec) else format_spec(format)

@@ -61,8 +61,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lp_lightning.formats.registry import format_spec
-from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, WeightKind, shard_rows
+from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, WeightKind, as_spec, shard_rows
 from lp_lightning.tensor.storage import nbytes as _nbytes
 from lp_lightning.tensor.storage import storage_spec
 from lp_lightning.tensor.base import _WeightState, set_gather_extension
@@ -443,7 +442,7 @@ def gather_layout(
     Raises:
         ValueError: a layout that breaks the format's shard rule (MXFP8: design spec §9.1).
     """
-    fmt, kind = format_spec(format), WeightKind.parse(kind)
+    fmt, kind = as_spec(format), WeightKind.parse(kind)
     reason = fmt.shard_rule_violation(kind, tuple(outer_shape), world_size)
     if reason is not None:
         raise ValueError(

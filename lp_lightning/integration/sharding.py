@@ -44,8 +44,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lp_lightning.formats.registry import format_spec
-from lp_lightning.formats.spec import FormatSpec, WeightKind, shard_rows
+from lp_lightning.formats.spec import FormatSpec, WeightKind, as_spec, shard_rows
 from lp_lightning.integration.gather import GatherPolicy, current_gather_phase
 from lp_lightning.integration.weights import iter_low_precision_weights, local_low_precision_weight
 from lp_lightning.tensor.weight import QuantizedWeightTensor
@@ -85,7 +84,7 @@ def check_shard_legality(
     Raises:
         ValueError: ``world_size < 1``, or a shape of the wrong rank for ``kind``.
     """
-    kind, fmt = WeightKind.parse(kind), format_spec(format)
+    kind, fmt = WeightKind.parse(kind), as_spec(format)
     if world_size < 1:
         raise ValueError(f"check_shard_legality({fqn!r}): world_size must be >= 1, got {world_size}.")
     want = 2 if kind is WeightKind.DENSE else 3

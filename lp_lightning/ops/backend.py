@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from lp_lightning.formats.spec import as_spec
+
 if TYPE_CHECKING:
     from lp_lightning.formats.operand import QuantizedOperand
     from lp_lightning.formats.quantizer import Quantizer
@@ -218,9 +220,7 @@ def resolve_backend(format: FormatSpec | str, device: torch.device | str, backen
         ValueError: for an unknown backend or format name.
         LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
     """
-    from lp_lightning.formats.registry import format_spec
-
-    spec = format_spec(format)
+    spec = as_spec(format)
     name = get_backend() if backend is None else _parse_backend(backend, "backend")
     if name == AUTO:
         device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]

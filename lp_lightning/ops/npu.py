@@ -79,8 +79,7 @@ import torch
 from lp_lightning.formats.mxfp8 import BLOCK_SIZE as MX_BLOCK_SIZE
 from lp_lightning.formats.operand import QuantizedOperand
 from lp_lightning.formats.quantizer import Quantizer
-from lp_lightning.formats.registry import format_spec
-from lp_lightning.formats.spec import FormatSpec, Orientation
+from lp_lightning.formats.spec import FormatSpec, Orientation, as_spec
 from lp_lightning.ops.backend import LowPrecisionUnsupportedError
 
 __all__ = [
@@ -292,7 +291,7 @@ def npu_capability_error(format: FormatSpec | str) -> str | None:
     Raises:
         ValueError: for an unknown format.
     """
-    fmt = format_spec(format).name
+    fmt = as_spec(format).name
     if fmt not in REQUIRED_OPS:
         return f"the npu backend has no kernels for format {fmt!r}; it implements {sorted(REQUIRED_OPS)}."
     torch_npu = _import_torch_npu()

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lp_lightning.formats.registry import format_spec
-from lp_lightning.formats.spec import FormatSpec, Orientation, WeightKind
+from lp_lightning.formats.spec import FormatSpec, Orientation, WeightKind, as_spec
 
 if TYPE_CHECKING:
     from lp_lightning.tensor.weight import QuantizedWeightTensor
@@ -66,7 +65,7 @@ def storage_spec(
         ``col_scale [E, nb(K), N]``; HiF8: ``data`` (GMM view, ``uint8``), ``scale`` (``[]`` or
         ``[E]``, FP32). ``nb(d) = ceil(d / 32)``.
     """
-    spec, kind = format_spec(format), WeightKind.parse(kind)
+    spec, kind = as_spec(format), WeightKind.parse(kind)
     gemm = kind.gemm_view_shape(tuple(shape))
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for orientation in ("row", "col") if spec.physical_orientation else ("row",):
