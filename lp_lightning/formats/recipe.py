@@ -68,7 +68,7 @@ import torch
 
 from lp_lightning.formats.operand import QuantizationRole
 from lp_lightning.formats.quantizer import Quantizer
-from lp_lightning.formats.registry import format_names
+from lp_lightning.formats.registry import precision_names
 from lp_lightning.formats.spec import FormatSpec, as_spec
 
 __all__ = [
@@ -212,15 +212,16 @@ def sqnr_reference_input(
 
 
 class _SqnrTable(Mapping[SqnrKey, float]):
-    """One column of every registered format's ``sqnr_table`` (read when looked up)."""
+    """One column of the product formats' ``sqnr_table`` (those a ``--precision`` value selects),
+    read when looked up; another registered format's table is its spec's ``sqnr_table``."""
 
     def __init__(self, column: int) -> None:
         self._column = column
 
     def _merged(self) -> dict[SqnrKey, float]:
         merged: dict[SqnrKey, float] = {}
-        for name in format_names():
-            merged.update({k: v[self._column] for k, v in as_spec(name).sqnr_table.items()})
+        for name in precision_names().values():
+            merged.update({k: v[self._column] for k, v in as_spec(name.name).sqnr_table.items()})
         return merged
 
     def __getitem__(self, key: SqnrKey) -> float:

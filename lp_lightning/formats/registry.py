@@ -67,12 +67,19 @@ def register_format(entry: FormatEntry, spec: Any = None) -> None:
         spec: The loaded ``FormatSpec``, when the caller already has it (skips the lazy import).
 
     Raises:
-        ValueError: another entry already uses the name or the ``--precision`` value.
+        ValueError: another entry already uses the name or the ``--precision`` value, or another
+            spec object is already loaded for it (a format module imported twice under two names).
     """
     with _LOCK:
         existing = _ENTRIES.get(entry.name)
         if existing is not None and existing != entry:
             raise ValueError(f"format {entry.name!r} is already registered as {existing}; refusing {entry}.")
+        loaded = _SPECS.get(entry.name)
+        if spec is not None and loaded is not None and loaded is not spec:
+            raise ValueError(
+                f"format {entry.name!r} already has a loaded spec {loaded!r}; refusing a second object "
+                "(import its module under one name only)."
+            )
         clash = [e.name for e in _ENTRIES.values() if entry.precision and e.precision == entry.precision]
         if clash and clash != [entry.name]:
             raise ValueError(f"--precision {entry.precision!r} already selects format {clash[0]!r}.")

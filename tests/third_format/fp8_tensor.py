@@ -37,6 +37,11 @@ Format ``fp8_e4m3_tensor`` (scaling ``current``, recipe ``fp8_e4m3_tensor_curren
 - **Recipe.** One quantizer, ``format_max = 448.0`` (amax → the top of E4M3's range), serves all
   five roles: gradients get no extra headroom (E4M3's 15 binades of normals below 448 already
   cover small gradients; the per-tensor amax follows the tensor).
+
+Importing this module registers the format for the rest of the process (the registry has no
+unregister). It has no ``--precision`` value, so the config layer and the merged product SQNR
+tables (``lp_lightning.formats.recipe.SQNR_FLOORS_DB``) do not see it; its floors are its spec's
+``sqnr_table``.
 """
 
 from __future__ import annotations
