@@ -2,18 +2,20 @@
 
 The plan answers "which modules compute in low precision" (design spec §4); *how* they compute is the
 :class:`~lp_lightning.policy.LowPrecisionPolicy` handed to each factory. This package imports no
-low-precision type: rules name their factories by dotted path (``{"_target_": "pkg.mod.fn"}``,
-exactly as the design spec YAML of §4.3) and the factories are imported only when the plan is applied.
+low-precision type and knows no model: rules name their factories by dotted path
+(``{"_target_": "pkg.mod.fn"}``, exactly as the design spec YAML of §4.3) and the factories are
+imported only when the plan is applied; what a model never replaces, its default rules and its meta
+twin come from the model's adapter (:class:`~lp_lightning.models.adapter.ModelAdapter`) as data.
 
-Modules: :mod:`~lp_lightning.plan.rules` (``ReplacementRule``, ``rules_from_config``, ``load_rules``,
-``deepseek_v3_default_rules``), :mod:`~lp_lightning.plan.compile` (``compile_plan`` and its
+Modules: :mod:`~lp_lightning.plan.rules` (``ReplacementRule``, ``NeverReplaceRule``,
+``rules_from_config``, ``load_rules``), :mod:`~lp_lightning.plan.compile` (``compile_plan`` and its
 checks), :mod:`~lp_lightning.plan.apply` (``ModuleReplacementPlan`` and the atomic install/restore),
 :mod:`~lp_lightning.plan.report` (``PlannedReplacement``, ``SkippedModule``, ``ReplacedModule``,
 ``ReplacementReport``).
 
 Lifecycle (design spec §5, §12.1 steps 2-5)::
 
-    meta model (structure only) --compile_plan(model, rules, policy)--> ModuleReplacementPlan (immutable)
+    meta model (structure only) --compile_plan(model, rules, policy, never_replace=...)--> ModuleReplacementPlan
     ... high-precision materialisation and init (same module tree) ...
     plan.apply(model) --> every factory runs and is validated, then all are installed, or none
                       --> ReplacementReport (replaced / skipped with reason / counts per rule)
@@ -23,7 +25,7 @@ Matching rules (one mechanism):
 - ``match`` / ``exclude`` are :func:`fnmatch.fnmatchcase` globs over fully qualified module names
   (FQNs) from ``model.named_modules(remove_duplicate=False)``. ``*`` crosses dots
   (``model.layers.*.mlp.experts`` would also match ``model.layers.1.x.mlp.experts``), which is why
-  the default DeepSeek-V3 rules list every target by its full FQN (design spec §1.1, §4.3).
+  a model adapter's default rules list every target by its full FQN (design spec §1.1, §4.3).
 - A module reachable under several FQNs (aliases) is one target: it is matched if any of its FQNs
   matches, skipped if any matches an ``exclude`` glob, replaced once, and the single replacement
   is installed at every FQN.
@@ -34,8 +36,9 @@ Matching rules (one mechanism):
   blindly).
 - Errors at compile time: a glob of an active rule that matches no FQN (with the nearest FQNs as
   candidates), a rule that selects nothing, two rules on one module, one selected module inside
-  another, a selected module that is or contains a never-replaced module (embedding, LM head,
-  MoE router, normalization, rotary embedding, core attention; design spec §1.1), the root module.
+  another, a selected module that is or contains a never-replaced module (design spec §1.1: the
+  plan always refuses embeddings and normalization modules; LM head, MoE router, rotary embedding,
+  core attention and the like are the ``never_replace`` rules of the model's adapter), the root module.
 - ``when: low_precision`` rules are active only when ``policy.enabled``. With ``enabled=False``
   :func:`compile_plan` returns an empty plan without scanning the model or importing anything,
   and :meth:`ModuleReplacementPlan.apply` calls nothing (design spec §4.3, §13.1).
@@ -60,26 +63,20 @@ on a meta model and dispatches no aten op); apply compares Parameter identity an
 """
 
 from lp_lightning.plan.apply import ModuleReplacementPlan
-from lp_lightning.plan.compile import NEVER_REPLACED_GLOBS, compile_plan
+from lp_lightning.plan.compile import compile_plan
 from lp_lightning.plan.report import PlannedReplacement, ReplacedModule, ReplacementReport, SkippedModule
 from lp_lightning.plan.rules import (
-    DEEPSEEK_V3_EXPERTS_FACTORY,
-    DEEPSEEK_V3_EXPERTS_TYPE,
-    LINEAR_FACTORY,
+    NeverReplaceRule,
     ReplacementCondition,
     ReplacementFactory,
     ReplacementRule,
-    deepseek_v3_default_rules,
     load_rules,
     rules_from_config,
 )
 
 __all__ = [
-    "DEEPSEEK_V3_EXPERTS_FACTORY",
-    "DEEPSEEK_V3_EXPERTS_TYPE",
-    "LINEAR_FACTORY",
-    "NEVER_REPLACED_GLOBS",
     "ModuleReplacementPlan",
+    "NeverReplaceRule",
     "PlannedReplacement",
     "ReplacedModule",
     "ReplacementCondition",
@@ -88,7 +85,6 @@ __all__ = [
     "ReplacementRule",
     "SkippedModule",
     "compile_plan",
-    "deepseek_v3_default_rules",
     "load_rules",
     "rules_from_config",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from lp_lightning.plan.report import PlannedReplacement, ReplacedModule, ReplacementReport, SkippedModule
-from lp_lightning.plan.rules import ReplacementRule, _import_object, _type_name
+from lp_lightning.plan.rules import NeverReplaceRule, ReplacementRule, _import_object, _type_name
 from lp_lightning.policy import LowPrecisionPolicy
 
 __all__ = ["ModuleReplacementPlan"]
@@ -172,6 +172,8 @@ class ModuleReplacementPlan:
         entries: Modules to replace, in ``named_modules`` order.
         skipped: Modules a glob hit but an ``exclude`` glob removed.
         inactive_rules: ``(rule name, reason)`` for rules that were not evaluated.
+        never_replace: The model's never-replace rules the compile step enforced (besides the
+            plan's own embedding/normalization denials).
     """
 
     policy: LowPrecisionPolicy
@@ -179,6 +181,7 @@ class ModuleReplacementPlan:
     entries: tuple[PlannedReplacement, ...]
     skipped: tuple[SkippedModule, ...]
     inactive_rules: tuple[tuple[str, str], ...]
+    never_replace: tuple[NeverReplaceRule, ...] = ()
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -4,7 +4,10 @@
 steps: check the arguments (:func:`_check_arguments`), then per rule resolve its ``module_type``,
 collect the modules its globs hit (:func:`_glob_hits`) and select them (:func:`_select`: root,
 ``exclude``, never-replaced boundary, type, one rule per module), and finally refuse nested
-selections (:func:`_check_not_nested`).
+selections (:func:`_check_not_nested`). The model's never-replace rules
+(:class:`~lp_lightning.plan.rules.NeverReplaceRule`) are data the caller passes, normally
+``adapter.never_replace`` of the model's :class:`~lp_lightning.models.adapter.ModelAdapter`; the plan
+itself only refuses embeddings and normalization modules, which no model may replace.
 """
 
 from __future__ import annotations
@@ -18,25 +21,16 @@ from torch import nn
 
 from lp_lightning.plan.apply import ModuleReplacementPlan, _alias_groups, _AliasGroup
 from lp_lightning.plan.report import PlannedReplacement, SkippedModule
-from lp_lightning.plan.rules import ReplacementRule, _check_unique_names, _import_object, _type_name
+from lp_lightning.plan.rules import (
+    NeverReplaceRule,
+    ReplacementRule,
+    _check_unique_names,
+    _import_object,
+    _type_name,
+)
 from lp_lightning.policy import LowPrecisionPolicy
 
-__all__ = ["NEVER_REPLACED_GLOBS", "compile_plan"]
-
-NEVER_REPLACED_GLOBS: tuple[tuple[str, str], ...] = (
-    ("lm_head", "LM head"),
-    ("*.lm_head", "LM head"),
-    ("*embed_tokens", "embedding"),
-    ("*.mlp.gate", "MoE router"),
-    ("*norm", "normalization"),
-    ("*rotary_emb", "rotary embedding"),
-    ("*.self_attn", "core attention (QK, softmax, PV)"),
-)
-"""FQN globs (with the reason) of modules that stay high precision whatever the rules say (design spec §1.1).
-
-A rule that selects such a module, or a module containing one, fails at compile time. Module types
-are checked too (see ``_denied_type_reason``), so a renamed norm or router is caught as well.
-"""
+__all__ = ["compile_plan"]
 
 _BOUNDARY_HINT = (
     "design spec §1.1 keeps embedding, LM head, MoE router, normalization, rotary embedding and core "
@@ -48,7 +42,7 @@ _NORM_TYPES = (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
 )
-_NORM_NAME = re.compile(r"Norm(\dd)?$")  # DeepseekV3RMSNorm, LlamaRMSNorm, FusedLayerNorm, BatchNorm2d
+_NORM_NAME = re.compile(r"Norm(\dd)?$")  # LlamaRMSNorm, FusedLayerNorm, BatchNorm2d
 
 
 def _resolve_module_type(rule: ReplacementRule) -> type:
@@ -60,30 +54,34 @@ def _resolve_module_type(rule: ReplacementRule) -> type:
     return cls
 
 
-def _denied_type_reason(module: nn.Module) -> str | None:
-    """Why a module type is never replaced (design spec §1.1), or ``None``."""
+def _generic_denied_reason(module: nn.Module) -> str | None:
+    """Why the plan refuses a module of any model (embedding, normalization), or ``None``."""
     if isinstance(module, nn.Embedding):
         return "embedding"
-    name = type(module).__name__
-    if isinstance(module, _NORM_TYPES) or _NORM_NAME.search(name):
+    if isinstance(module, _NORM_TYPES) or _NORM_NAME.search(type(module).__name__):
         return "normalization"
-    if name.endswith("RotaryEmbedding"):
-        return "rotary embedding"
-    if name.endswith("Router"):
-        return "MoE router"
-    if name.endswith("Attention"):
-        return "core attention (QK, softmax, PV)"
     return None
 
 
-def _denied_fqn_reason(fqn: str) -> str | None:
-    for glob, reason in NEVER_REPLACED_GLOBS:
-        if fnmatchcase(fqn, glob):
-            return reason
+def _denied_reason(fqn: str, module: nn.Module, never_replace: Sequence[NeverReplaceRule]) -> str | None:
+    """Why ``module`` at ``fqn`` is never replaced (design spec §1.1), or ``None``.
+
+    FQN globs first, then the generic types, then the class-name globs, each in rule order.
+    """
+    for boundary in never_replace:
+        if any(fnmatchcase(fqn, glob) for glob in boundary.fqn_globs):
+            return boundary.reason
+    reason = _generic_denied_reason(module)
+    if reason is not None:
+        return reason
+    name = type(module).__name__
+    for boundary in never_replace:
+        if any(fnmatchcase(name, pattern) for pattern in boundary.type_names):
+            return boundary.reason
     return None
 
 
-def _check_boundary(group: _AliasGroup, rule: ReplacementRule) -> None:
+def _check_boundary(group: _AliasGroup, rule: ReplacementRule, never_replace: Sequence[NeverReplaceRule]) -> None:
     """Fail if the selected module is, or contains, a never-replaced module (design spec §1.1)."""
     primary = group.fqns[0]
     for sub_name, sub in group.module.named_modules(remove_duplicate=False):
@@ -92,7 +90,7 @@ def _check_boundary(group: _AliasGroup, rule: ReplacementRule) -> None:
         else:
             fqns = list(group.fqns)
         for fqn in fqns:
-            reason = _denied_fqn_reason(fqn) or _denied_type_reason(sub)
+            reason = _denied_reason(fqn, sub, never_replace)
             if reason is not None:
                 where = "is" if not sub_name else f"contains {fqn!r}, which is"
                 raise ValueError(
@@ -126,7 +124,9 @@ def _check_type(group: _AliasGroup, rule: ReplacementRule, required: type) -> No
     )
 
 
-def _zero_hit_error(rule: ReplacementRule, globs: list[str], fqns: Sequence[str]) -> ValueError:
+def _zero_hit_error(
+    rule: ReplacementRule, globs: list[str], fqns: Sequence[str], glob_hint: str | None
+) -> ValueError:
     lines = [
         f"rule {rule.name!r} ({rule.module_type_name} -> {rule.factory_name}) is enabled but "
         f"{len(globs)} of its `match` globs match no module FQN (design spec §4.3: zero hits are an error):"
@@ -136,16 +136,18 @@ def _zero_hit_error(rule: ReplacementRule, globs: list[str], fqns: Sequence[str]
         lines.append(f"  {glob!r}; nearest FQNs: {nearest}")
     if len(globs) > 10:
         lines.append(f"  ... and {len(globs) - 10} more: {globs[10:]}")
+    hint = f" ({glob_hint})" if glob_hint else ""
     lines.append(
         "Print the candidates with `for fqn, m in model.named_modules(): print(fqn, type(m).__name__)` "
-        "on the meta model and fix the globs (for DeepSeek-V3, q_lora_rank set means q_a_proj/q_b_proj "
-        "instead of q_proj)."
+        f"on the meta model and fix the globs{hint}."
     )
     return ValueError("\n".join(lines))
 
 
-def _check_arguments(model: object, rules: Iterable[object], policy: object) -> tuple[ReplacementRule, ...]:
-    """Type checks of :func:`compile_plan`; returns the rules as a tuple."""
+def _check_arguments(
+    model: object, rules: Iterable[object], policy: object, never_replace: Iterable[object]
+) -> tuple[tuple[ReplacementRule, ...], tuple[NeverReplaceRule, ...]]:
+    """Type checks of :func:`compile_plan`; returns the rules and never-replace rules as tuples."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_plan: model must be a torch.nn.Module, got {type(model).__name__}.")
     if not isinstance(policy, LowPrecisionPolicy):
@@ -161,10 +163,19 @@ def _check_arguments(model: object, rules: Iterable[object], policy: object) -> 
                 f"{type(rule).__name__}."
             )
     _check_unique_names(rules)
-    return rules  # type: ignore[return-value]
+    never_replace = tuple(never_replace)
+    for boundary in never_replace:
+        if not isinstance(boundary, NeverReplaceRule):
+            raise TypeError(
+                f"compile_plan: never_replace must hold NeverReplaceRule objects (a model adapter's "
+                f"`never_replace`), got {type(boundary).__name__}."
+            )
+    return rules, never_replace  # type: ignore[return-value]
 
 
-def _glob_hits(rule: ReplacementRule, by_fqn: dict[str, _AliasGroup]) -> dict[int, list[str]]:
+def _glob_hits(
+    rule: ReplacementRule, by_fqn: dict[str, _AliasGroup], glob_hint: str | None
+) -> dict[int, list[str]]:
     """``id(module) -> [globs of rule.match that hit it]``; a glob without a hit is an error."""
     all_fqns = list(by_fqn)
     hits: dict[int, list[str]] = {}
@@ -181,7 +192,7 @@ def _glob_hits(rule: ReplacementRule, by_fqn: dict[str, _AliasGroup]) -> dict[in
             if glob not in globs:
                 globs.append(glob)
     if zero_hit:
-        raise _zero_hit_error(rule, zero_hit, all_fqns)
+        raise _zero_hit_error(rule, zero_hit, all_fqns, glob_hint)
     return hits
 
 
@@ -191,6 +202,7 @@ def _select(
     hits: dict[int, list[str]],
     by_id: dict[int, _AliasGroup],
     order: dict[int, int],
+    never_replace: Sequence[NeverReplaceRule],
     selected: dict[int, PlannedReplacement],
     skipped: list[SkippedModule],
 ) -> None:
@@ -209,7 +221,7 @@ def _select(
         if excluded_by is not None:
             skipped.append(SkippedModule(group.fqns[0], rule.name, f"excluded by {excluded_by!r}"))
             continue
-        _check_boundary(group, rule)
+        _check_boundary(group, rule, never_replace)
         _check_type(group, rule, required)
         previous = selected.get(module_id)
         if previous is not None:
@@ -251,6 +263,9 @@ def compile_plan(
     model: nn.Module,
     rules: Iterable[ReplacementRule],
     policy: LowPrecisionPolicy,
+    *,
+    never_replace: Iterable[NeverReplaceRule] = (),
+    glob_hint: str | None = None,
 ) -> ModuleReplacementPlan:
     """Compile rules against a model's module structure into an immutable plan (design spec §5).
 
@@ -260,10 +275,13 @@ def compile_plan(
 
     Args:
         model: The model, typically on the meta device.
-        rules: The replacement rules (e.g. :func:`~lp_lightning.plan.deepseek_v3_default_rules`,
+        rules: The replacement rules (e.g. a model adapter's ``default_replacement_rules(config)``,
             :func:`~lp_lightning.plan.load_rules`).
         policy: The low-precision policy; with ``policy.enabled`` false the plan is empty and the
             model is not even scanned.
+        never_replace: The model's boundary (its adapter's ``never_replace``): modules no rule may
+            select or contain. Embeddings and normalization modules are refused regardless.
+        glob_hint: Model-specific advice appended to a zero-hit error (its adapter's ``glob_hint``).
 
     Returns:
         The plan; apply it with :meth:`ModuleReplacementPlan.apply` after high-precision init.
@@ -278,12 +296,12 @@ def compile_plan(
             duplicate rule names, an unresolvable ``module_type``.
         ImportError: importing a ``module_type`` module failed.
     """
-    rules = _check_arguments(model, rules, policy)
+    rules, never_replace = _check_arguments(model, rules, policy, never_replace)
     if not policy.enabled:
         reason = "low_precision.enabled is false"
         return ModuleReplacementPlan(
             policy=policy, rules=rules, entries=(), skipped=(),
-            inactive_rules=tuple((rule.name, reason) for rule in rules),
+            inactive_rules=tuple((rule.name, reason) for rule in rules), never_replace=never_replace,
         )
 
     by_id, by_fqn = _alias_groups(model)
@@ -292,11 +310,12 @@ def compile_plan(
     skipped: list[SkippedModule] = []
     for rule in rules:
         required = _resolve_module_type(rule)
-        hits = _glob_hits(rule, by_fqn)
-        _select(rule, required, hits, by_id, order, selected, skipped)
+        hits = _glob_hits(rule, by_fqn, glob_hint)
+        _select(rule, required, hits, by_id, order, never_replace, selected, skipped)
     _check_not_nested(selected, by_id)
 
     entries = tuple(sorted(selected.values(), key=lambda e: order[id(by_fqn[e.fqn].module)]))
     return ModuleReplacementPlan(
-        policy=policy, rules=rules, entries=entries, skipped=tuple(skipped), inactive_rules=()
+        policy=policy, rules=rules, entries=entries, skipped=tuple(skipped), inactive_rules=(),
+        never_replace=never_replace,
     )

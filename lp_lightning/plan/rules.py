@@ -1,11 +1,13 @@
-"""Replacement rules: which modules a factory replaces (design spec §4.3).
+"""Replacement rules: which modules a factory replaces, and which modules are never replaced (design spec §4.3, §1.1).
 
 :class:`ReplacementRule` is one ``plan_overrides`` entry (FQN globs, the asserted module type, the
 factory by dotted path); :func:`rules_from_config` / :func:`load_rules` build them from the design
-spec's YAML layout; :func:`deepseek_v3_default_rules` lists the DeepSeek-V3 targets by full FQN.
-Nothing here imports a factory: dotted paths are only checked for form (:func:`_import_object`
-resolves them later).
+spec's YAML layout. :class:`NeverReplaceRule` is a model's boundary (embedding, LM head, router, ...)
+that :func:`~lp_lightning.plan.compile_plan` enforces; the model adapter
+(:mod:`lp_lightning.models.adapter`) provides them as data. Nothing here imports a factory or a
+model: dotted paths are only checked for form (:func:`_import_object` resolves them later).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -19,30 +21,16 @@ from typing import Any
 from torch import nn
 
 __all__ = [
-    "DEEPSEEK_V3_EXPERTS_FACTORY",
-    "DEEPSEEK_V3_EXPERTS_TYPE",
-    "LINEAR_FACTORY",
+    "NeverReplaceRule",
     "ReplacementCondition",
     "ReplacementFactory",
     "ReplacementRule",
-    "deepseek_v3_default_rules",
     "load_rules",
     "rules_from_config",
 ]
 
 ReplacementFactory = Callable[..., nn.Module]
 """``factory(source: nn.Module, *, fqn: str, policy: LowPrecisionPolicy) -> nn.Module`` (design spec §13.2)."""
-
-LINEAR_FACTORY = "lp_lightning.modules.linear.replace_low_precision_linear"
-"""Format-agnostic factory for exact ``nn.Linear`` targets (dense MLP, shared experts, MLA projections)."""
-
-DEEPSEEK_V3_EXPERTS_FACTORY = (
-    "lp_lightning.models.deepseek_v3.experts.replace_deepseek_v3_low_precision_experts"
-)
-"""Format-agnostic factory that replaces HF ``DeepseekV3Experts`` whole (design spec §5.2)."""
-
-DEEPSEEK_V3_EXPERTS_TYPE = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
-"""Dotted path of HF's routed-experts container (stacked ``gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``)."""
 
 _DOTTED_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 
@@ -225,6 +213,39 @@ class ReplacementRule:
         }
 
 
+@dataclass(frozen=True, kw_only=True)
+class NeverReplaceRule:
+    """Modules that stay high precision whatever the rules say (design spec §1.1), as data a model adapter gives.
+
+    :func:`~lp_lightning.plan.compile_plan` fails when a rule selects such a module or a module
+    containing one. The plan itself always refuses ``nn.Embedding`` and normalization modules (torch's
+    norm types and any class named ``*Norm``/``*Norm<k>d``); everything that depends on a model's
+    naming (``lm_head``, the MoE router, core attention, ...) comes from these rules.
+
+    Args:
+        reason: What the module is, as the error names it (``"LM head"``, ``"MoE router"``).
+        fqn_globs: :func:`fnmatch.fnmatchcase` globs over module FQNs (``"*.mlp.gate"``).
+        type_names: :func:`fnmatch.fnmatchcase` globs over the module's class name
+            (``"*Router"``), so a renamed module of that kind is caught too.
+
+    Raises:
+        ValueError: an empty ``reason``, no glob at all, or an invalid/duplicated glob.
+    """
+
+    reason: str
+    fqn_globs: tuple[str, ...] = ()
+    type_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise ValueError(f"NeverReplaceRule.reason must be a non-empty string, got {self.reason!r}.")
+        where = f"never-replace {self.reason}"
+        for key in ("fqn_globs", "type_names"):
+            object.__setattr__(self, key, _as_glob_tuple(getattr(self, key), rule=where, key=key, allow_empty=True))
+        if not self.fqn_globs and not self.type_names:
+            raise ValueError(f"rule {where!r}: give at least one of `fqn_globs`, `type_names`.")
+
+
 def rules_from_config(specs: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> tuple[ReplacementRule, ...]:
     """Build rules from a ``plan_overrides`` list (or a mapping holding one under that key).
 
@@ -276,102 +297,6 @@ def load_rules(path: str | Path) -> tuple[ReplacementRule, ...]:
         return rules_from_config(data)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{path}: {exc}") from None
-
-
-def _config_value(config: Any, key: str) -> Any:
-    if isinstance(config, Mapping):
-        if key not in config:
-            raise ValueError(f"DeepSeek-V3 config has no {key!r}; it is needed to list the replacement targets.")
-        return config[key]
-    if not hasattr(config, key):
-        raise ValueError(
-            f"DeepSeek-V3 config {type(config).__name__} has no {key!r}; it is needed to list the "
-            "replacement targets."
-        )
-    return getattr(config, key)
-
-
-def deepseek_v3_default_rules(
-    config: Any,
-    *,
-    linear_factory: str | ReplacementFactory = LINEAR_FACTORY,
-    experts_factory: str | ReplacementFactory = DEEPSEEK_V3_EXPERTS_FACTORY,
-) -> tuple[ReplacementRule, ...]:
-    """The default DeepSeek-V3 rules with every target listed by its full FQN (design spec §1.1, §4.3).
-
-    Four rules (names are the keys of the report's counts):
-
-    - ``mla_projections``: per layer ``self_attn.q_proj`` (``q_lora_rank`` null) or
-      ``self_attn.q_a_proj`` + ``self_attn.q_b_proj`` (``q_lora_rank`` set), plus
-      ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; exact ``nn.Linear``.
-    - ``dense_mlp``: ``mlp.{gate,up,down}_proj`` of layers ``0 .. first_k_dense_replace-1``.
-    - ``shared_experts``: ``mlp.shared_experts.{gate,up,down}_proj`` of the MoE layers.
-    - ``routed_experts``: ``mlp.experts`` of the MoE layers, exact ``DeepseekV3Experts``.
-
-    For the frozen 16B spec (28 layers, 1 dense, q_lora_rank null) that is 112 / 3 / 81 / 27
-    targets. The glob form of the same plan is ``configs/plan_deepseek_v3.yaml``.
-
-    Args:
-        config: A ``DeepseekV3Config`` (or a mapping) with ``num_hidden_layers``,
-            ``first_k_dense_replace`` and ``q_lora_rank``.
-        linear_factory: Factory for the Linear rules (dotted path or callable).
-        experts_factory: Factory for the routed-experts rule (dotted path or callable).
-
-    Returns:
-        The four rules, in the order above (``dense_mlp`` is omitted when there is no dense layer,
-        ``shared_experts``/``routed_experts`` when there is no MoE layer).
-
-    Raises:
-        ValueError: a config field is missing or out of range.
-    """
-    num_layers = _config_value(config, "num_hidden_layers")
-    first_dense = _config_value(config, "first_k_dense_replace")
-    q_lora_rank = _config_value(config, "q_lora_rank")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_hidden_layers must be a positive int, got {num_layers!r}.")
-    if not isinstance(first_dense, int) or not 0 <= first_dense <= num_layers:
-        raise ValueError(
-            f"first_k_dense_replace must be an int in [0, num_hidden_layers={num_layers}], got {first_dense!r}."
-        )
-    q_names = ("q_proj",) if q_lora_rank is None else ("q_a_proj", "q_b_proj")
-    mla_names = (*q_names, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-    mlp_names = ("gate_proj", "up_proj", "down_proj")
-    dense_layers = range(first_dense)
-    moe_layers = range(first_dense, num_layers)
-    linear = {"module_type": "torch.nn.Linear", "exact_type": True, "replace_module": linear_factory}
-    rules = [
-        ReplacementRule(
-            name="mla_projections",
-            match=tuple(f"model.layers.{i}.self_attn.{n}" for i in range(num_layers) for n in mla_names),
-            **linear,
-        )
-    ]
-    if dense_layers:
-        rules.append(
-            ReplacementRule(
-                name="dense_mlp",
-                match=tuple(f"model.layers.{i}.mlp.{n}" for i in dense_layers for n in mlp_names),
-                **linear,
-            )
-        )
-    if moe_layers:
-        rules.append(
-            ReplacementRule(
-                name="shared_experts",
-                match=tuple(f"model.layers.{i}.mlp.shared_experts.{n}" for i in moe_layers for n in mlp_names),
-                **linear,
-            )
-        )
-        rules.append(
-            ReplacementRule(
-                name="routed_experts",
-                match=tuple(f"model.layers.{i}.mlp.experts" for i in moe_layers),
-                module_type=DEEPSEEK_V3_EXPERTS_TYPE,
-                exact_type=True,
-                replace_module=experts_factory,
-            )
-        )
-    return tuple(rules)
 
 
 def _check_unique_names(rules: Sequence[ReplacementRule]) -> None:

@@ -184,3 +184,9 @@ def test_state_dict_round_trip_and_cross_precision_resume():
 # plan nor torch_npu) is tests/test_bf16_imports.py: the same plugin steps plus a CLI fit, checked
 # against every low-precision module of the source tree instead of five names.
 
+
+def test_convert_module_needs_a_model_adapter():
+    """The plugin learns the model (meta twin, default rules, boundary) from its adapter; none, no conversion."""
+    with pytest.raises(TypeError, match=r"no model adapter for model type None \(Sequential\)"):
+        LowPrecisionPlugin("mxfp8").convert_module(nn.Sequential(nn.Linear(64, 64)))
+    assert LowPrecisionPlugin("bf16").convert_module(model := nn.Sequential()) is model  # bf16: nothing to look up

@@ -1,5 +1,6 @@
 """HF transformers DeepSeek-V3: random-init build from a config, named specs, spec validation (§4.1),
-and the routed-experts adapter of the low-precision replacement (§5.2).
+the model adapter of the generic layers (:mod:`~lp_lightning.models.deepseek_v3.adapter`), and the
+routed-experts replacement of the low-precision runs (§5.2).
 
 The low-precision part (:mod:`~lp_lightning.models.deepseek_v3.experts`, which imports the format,
 functional and op layers) loads only when ``DeepseekV3LowPrecisionExperts`` or
