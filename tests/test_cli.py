@@ -67,7 +67,8 @@ def test_16b_mxfp8_fallback_list_is_the_shard_rule():
 
     from lp_lightning.formats.mxfp8 import SPEC as MXFP8
     from lp_lightning.models.deepseek_v3 import build_meta_model
-    from lp_lightning.plan import compile_plan, deepseek_v3_default_rules
+    from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
+    from lp_lightning.plan import compile_plan
     from lp_lightning.policy import LowPrecisionConfig
 
     model = build_meta_model("dsv3-16b")

@@ -24,12 +24,13 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
 from lp_lightning.models.deepseek_v3 import build_meta_model
+from lp_lightning.models.deepseek_v3.adapter import DEEPSEEK_V3, deepseek_v3_default_rules
 from lp_lightning.plan import (
     ModuleReplacementPlan,
+    NeverReplaceRule,
     ReplacementReport,
     ReplacementRule,
     compile_plan,
-    deepseek_v3_default_rules,
     load_rules,
     rules_from_config,
 )
@@ -38,6 +39,7 @@ from lp_lightning.policy import LowPrecisionConfig
 REPO = Path(__file__).resolve().parents[1]
 PLAN_YAML = REPO / "configs" / "plan_deepseek_v3.yaml"
 MXFP8 = LowPrecisionConfig.from_precision("mxfp8").to_policy()
+_LM_HEAD = (NeverReplaceRule(reason="LM head", fqn_globs=("lm_head", "*.lm_head")),)  # a model adapter's boundary
 HIF8 = LowPrecisionConfig.from_precision("hif8").to_policy()
 OFF = LowPrecisionConfig.from_precision("bf16").to_policy()
 
@@ -397,8 +399,28 @@ def test_wrapper_module_fails_naming_the_wrapped_linear():
     ],
 )
 def test_never_replaced_modules_are_refused(match, module_type, reason):
+    rule = _rule("bad", match=match, module_type=module_type)
     with pytest.raises(ValueError, match=rf"selects '{match}'.*{reason}.*design spec §1\.1"):
-        compile_plan(_Toy(), [_rule("bad", match=match, module_type=module_type)], MXFP8)
+        compile_plan(_Toy(), [rule], MXFP8, never_replace=_LM_HEAD)
+    if reason == "LM head":  # a model's boundary is data: without it the plan knows no LM head
+        assert [e.fqn for e in compile_plan(_Toy(), [rule], MXFP8).entries] == ["lm_head"]
+    else:  # embeddings and norms are refused for every model
+        with pytest.raises(ValueError, match=rf"selects '{match}'.*{reason}"):
+            compile_plan(_Toy(), [rule], MXFP8)
+
+
+def test_never_replace_rules_match_fqn_globs_and_class_names():
+    by_name = (NeverReplaceRule(reason="layer stack", type_names=("Module*",)),)
+    with pytest.raises(ValueError, match=r"selects 'layers', which is a layer stack module \(torch\.nn\.modules"):
+        compile_plan(_Toy(), [_rule("seq", match="layers", module_type=nn.ModuleList, exact_type=False)], MXFP8,
+                     never_replace=by_name)
+    by_fqn = (NeverReplaceRule(reason="mixing", fqn_globs=("m?x",)),)
+    with pytest.raises(ValueError, match=r"selects 'mix', which is a mixing module"):
+        compile_plan(_Toy(), [_rule("mix", match="mix")], MXFP8, never_replace=by_fqn)
+    with pytest.raises(ValueError, match="at least one of"):
+        NeverReplaceRule(reason="nothing")
+    with pytest.raises(TypeError, match="NeverReplaceRule objects"):
+        compile_plan(_Toy(), [_rule()], MXFP8, never_replace=[("lm_head", "LM head")])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize(
@@ -415,7 +437,7 @@ def test_never_replaced_deepseek_modules_are_refused(match, type_name, reason):
     type_path = f"transformers.models.deepseek_v3.modeling_deepseek_v3.{type_name}"
     rule = _rule("bad", match=match, module_type=type_path, factory=generic_factory())
     with pytest.raises(ValueError, match=reason):
-        compile_plan(build_meta_model("dsv3-tiny"), [rule], MXFP8)
+        compile_plan(build_meta_model("dsv3-tiny"), [rule], MXFP8, never_replace=DEEPSEEK_V3.never_replace)
 
 
 def test_exclude_skips_with_reason_and_all_excluded_is_an_error():
@@ -427,7 +449,8 @@ def test_exclude_skips_with_reason_and_all_excluded_is_an_error():
     with pytest.raises(ValueError, match=r"'proj' is enabled but selects no module.*excluded"):
         compile_plan(_Toy(), [_rule("proj", exclude="layers.*")], MXFP8)
     # An excluded never-replaced module is fine: exclusion wins.
-    plan = compile_plan(_Toy(), [_rule("heads", match=("mix", "lm_head"), exclude="lm_head")], MXFP8)
+    plan = compile_plan(_Toy(), [_rule("heads", match=("mix", "lm_head"), exclude="lm_head")], MXFP8,
+                        never_replace=_LM_HEAD)
     assert [e.fqn for e in plan.entries] == ["mix"]
 
 
@@ -775,7 +798,8 @@ def test_disabled_run_imports_no_torch_npu_and_no_factory(tmp_path):
                 return None
 
         sys.meta_path.insert(0, Trap())
-        from lp_lightning.plan import compile_plan, deepseek_v3_default_rules, load_rules
+        from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
+        from lp_lightning.plan import compile_plan, load_rules
         from lp_lightning.policy import LowPrecisionConfig
 
         policy = LowPrecisionConfig.from_precision("bf16").to_policy()

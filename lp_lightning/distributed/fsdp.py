@@ -10,13 +10,13 @@ holds identical weights) and applies, in this order and nowhere else:
    has sharded, Lightning issue #19989).
 2. **FP32 upcast** of every floating-point Parameter: these become the FP32 master shards that
    AdamW updates (design spec §10). Buffers keep the dtype the model builder gave them.
-3. **``fully_shard``** on each decoder layer ``model.model.layers[i]`` and then on the root, over
-   a 1-D ``("dp_shard",)`` mesh with ``MixedPrecisionPolicy(param_dtype=bf16,
+3. **``fully_shard``** on each decoder layer (the model adapter's ``decoder_layers``) and then on
+   the root, over a 1-D ``("dp_shard",)`` mesh with ``MixedPrecisionPolicy(param_dtype=bf16,
    reduce_dtype=fp32)``: the all-gathered compute copies are BF16, gradients are reduce-scattered
    in FP32 and land on the FP32 shards. Modules whose Parameters the model builder deliberately
-   kept in FP32 inside a BF16 model (HF's ``_keep_in_fp32_modules_strict``: the DeepSeek-V3 MoE
-   router ``mlp.gate``) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
-   routing is computed from FP32 weights exactly as in the unsharded model.
+   kept in FP32 inside a BF16 model (the adapter's ``fp32_compute_modules``, e.g. a MoE router
+   that HF keeps in FP32) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
+   their compute uses FP32 weights exactly as in the unsharded model.
    With low-precision weights (``mxfp8``/``hif8``; the conversion finalized them with unbuilt
    storage) the shard rules of design spec §9.1 are checked first
    (:func:`~lp_lightning.integration.plan_low_precision_sharding`): an illegal
@@ -37,6 +37,10 @@ holds identical weights) and applies, in this order and nowhere else:
 The optimizer is created afterwards (Lightning's ``setup_optimizers``), over the sharded FP32
 Parameters.
 
+What is model-specific (where the decoder layers are, which modules compute in FP32) comes from
+the model's :class:`~lp_lightning.models.adapter.ModelAdapter` (``adapter=``, by default
+``adapter_for(causal_lm)``); nothing here knows a model.
+
 Only torch is imported here (no Lightning): the Trainer strategy and the Fabric strategy in
 ``lp_lightning/lightning/strategy.py`` both call these functions. The low-precision modules
 (:mod:`lp_lightning.integration`) are
@@ -47,8 +51,9 @@ format layer.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -58,20 +63,20 @@ from torch.distributed.tensor import DTensor
 
 from lp_lightning.config import ActivationCheckpointMode
 
+if TYPE_CHECKING:
+    from lp_lightning.models.adapter import ModelAdapter
+
 __all__ = [
     "DP_SHARD_DIM",
     "ParallelizationRecord",
     "apply_activation_checkpointing",
     "build_dp_mesh",
     "clip_gradients_",
-    "decoder_layers",
     "default_mixed_precision_policy",
     "has_low_precision_weights",
     "is_parallelized",
-    "modules_kept_in_fp32",
     "parallelize_causal_lm",
     "process_group_backend_for",
-    "resolve_causal_lm",
     "total_grad_norm",
     "upcast_parameters_to_fp32",
 ]
@@ -129,42 +134,6 @@ def default_mixed_precision_policy() -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def resolve_causal_lm(module: nn.Module) -> nn.Module:
-    """Finds the HF causal LM (``X.model.layers`` is its decoder-layer list) in ``module``.
-
-    Args:
-        module: Either the HF ``*ForCausalLM`` itself or a wrapper (e.g. the LightningModule)
-            that holds it at ``.model``.
-
-    Returns:
-        The causal LM whose decoder layers are ``.model.layers``.
-
-    Raises:
-        TypeError: Neither ``module.model.layers`` nor ``module.model.model.layers`` is an
-            ``nn.ModuleList``.
-    """
-    for candidate in (module, getattr(module, "model", None)):
-        inner = getattr(candidate, "model", None)
-        if isinstance(candidate, nn.Module) and isinstance(getattr(inner, "layers", None), nn.ModuleList):
-            return candidate
-    raise TypeError(
-        f"cannot find a Hugging Face causal LM in {type(module).__name__}: expected "
-        f"`module.model.layers` (a *ForCausalLM such as DeepseekV3ForCausalLM) or "
-        f"`module.model.model.layers` (a wrapper holding it at `.model`) to be an nn.ModuleList."
-    )
-
-
-def decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
-    """The decoder layers ``causal_lm.model.layers`` (the FSDP2 / recompute unit, design spec §9)."""
-    layers = getattr(getattr(causal_lm, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(
-            f"{type(causal_lm).__name__}.model.layers is not an nn.ModuleList; pass the HF "
-            f"*ForCausalLM (see resolve_causal_lm)."
-        )
-    return layers
-
-
 def is_parallelized(module: nn.Module) -> bool:
     """Whether ``module`` (or a submodule) was already passed to ``fully_shard``."""
     return any(isinstance(m, FSDPModule) for m in module.modules())
@@ -198,7 +167,7 @@ def upcast_parameters_to_fp32(module: nn.Module) -> int:
     return changed
 
 
-def apply_activation_checkpointing(causal_lm: nn.Module, mode: ActivationCheckpointMode) -> int:
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: ActivationCheckpointMode) -> int:
     """Wraps each decoder layer in a non-reentrant ``checkpoint_wrapper`` when ``mode == "full"``.
 
     Recompute replays each layer's forward (including FSDP2's pre-forward all-gather, which
@@ -206,7 +175,7 @@ def apply_activation_checkpointing(causal_lm: nn.Module, mode: ActivationCheckpo
     no persistent copy is made (R10). State-dict keys stay HF-clean (module docstring).
 
     Args:
-        causal_lm: The HF causal LM (decoder layers at ``.model.layers``).
+        layers: The model's decoder layers (its adapter's ``decoder_layers``), wrapped in place.
         mode: ``"off"`` (nothing happens) or ``"full"``.
 
     Returns:
@@ -227,38 +196,11 @@ def apply_activation_checkpointing(causal_lm: nn.Module, mode: ActivationCheckpo
         )
     if mode == "off":
         return 0
-    layers = decoder_layers(causal_lm)
     for i, layer in enumerate(layers):
         if isinstance(layer, CheckpointWrapper):
             raise ValueError(f"decoder layer {i} is already wrapped for activation checkpointing.")
         layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     return len(layers)
-
-
-def modules_kept_in_fp32(module: nn.Module) -> tuple[str, ...]:
-    """FQNs of modules whose own Parameters are all FP32 while the model also holds BF16 ones.
-
-    The HF builder keeps ``_keep_in_fp32_modules_strict`` Parameters in FP32 when it builds a BF16
-    model (DeepSeek-V3: the MoE router weight ``model.layers.<i>.mlp.gate.weight``); their compute
-    must stay FP32 after sharding. Call it before :func:`upcast_parameters_to_fp32`. A model built
-    entirely in FP32 (or entirely in BF16) yields ``()``.
-
-    Args:
-        module: The plain (unsharded) model.
-
-    Returns:
-        FQNs in ``named_modules()`` order.
-    """
-    if not any(p.dtype == torch.bfloat16 for p in module.parameters()):
-        return ()
-    kept = []
-    for fqn, sub in module.named_modules():
-        own = list(sub.parameters(recurse=False))
-        if any(_is_low_precision_weight(p) for p in own):
-            continue  # FP32 masters of low-precision weights, gathered as 8-bit payloads
-        if fqn and own and all(p.dtype == torch.float32 for p in own):
-            kept.append(fqn)
-    return tuple(kept)
 
 
 def _is_low_precision_weight(param: torch.Tensor) -> bool:
@@ -295,8 +237,8 @@ class ParallelizationRecord:
         upcast_params: Number of Parameters cast to FP32.
         sharded_modules: Number of ``fully_shard`` calls (FP32-compute modules + decoder layers +
             root).
-        fp32_compute_modules: FQNs of the modules sharded with ``param_dtype=fp32`` (see
-            :func:`modules_kept_in_fp32`).
+        fp32_compute_modules: FQNs of the modules sharded with ``param_dtype=fp32`` (the model
+            adapter's ``fp32_compute_modules``).
         checkpointed_layers: Number of decoder layers wrapped for recomputation.
         reshard_after_forward: The FSDP2 flag used.
         param_dtype: FSDP2 compute dtype of the all-gathered parameters (``str``, e.g.
@@ -330,12 +272,13 @@ def parallelize_causal_lm(
     activation_checkpoint: ActivationCheckpointMode,
     convert_module: Callable[[nn.Module], nn.Module] | None = None,
     fallback_to_unsharded: bool = False,
+    adapter: ModelAdapter | None = None,
 ) -> tuple[nn.Module, ParallelizationRecord]:
     """Converts, upcasts, shards and (optionally) recompute-wraps a causal LM, in that order.
 
     Args:
         causal_lm: The plain HF causal LM built on this rank's device with identical weights on
-            every rank (decoder layers at ``.model.layers``).
+            every rank.
         mesh: The 1-D ``("dp_shard",)`` mesh (:func:`build_dp_mesh`).
         mp_policy: FSDP2 mixed precision policy (the precision plugin provides it).
         reshard_after_forward: FSDP2 ``reshard_after_forward`` for every sharded module.
@@ -344,14 +287,18 @@ def parallelize_causal_lm(
             already ran it. It must return a module with the same decoder-layer layout.
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``: keep low-precision weights
             that break the MXFP8 shard rule replicated instead of failing (module docstring).
+        adapter: The model's :class:`~lp_lightning.models.adapter.ModelAdapter` (decoder layers,
+            FP32 compute modules); ``None`` looks it up with
+            :func:`~lp_lightning.models.adapter.adapter_for`.
 
     Returns:
         ``(model, record)``: the model to use from now on (the object ``convert_module`` returned,
         sharded in place) and what was done.
 
     Raises:
-        TypeError: The model has no ``.model.layers``, is already sharded, or ``convert_module``
-            returned something that is not an ``nn.Module``.
+        TypeError: No adapter describes the model, the model has no decoder layers where its
+            adapter looks, is already sharded, or ``convert_module`` returned something that is not
+            an ``nn.Module``.
         ValueError: ``mesh`` is not 1-D, ``activation_checkpoint`` is unknown, or (with
             ``fallback_to_unsharded=False``) a low-precision weight cannot be sharded over the mesh.
     """
@@ -359,43 +306,108 @@ def parallelize_causal_lm(
         raise ValueError(f"expected a 1-D data-parallel mesh, got a mesh of shape {tuple(mesh.shape)}.")
     if activation_checkpoint not in ("off", "full"):
         raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
-    decoder_layers(causal_lm)
+    if adapter is None:
+        from lp_lightning.models.adapter import adapter_for
+
+        adapter = adapter_for(causal_lm)
+    _check_plain(causal_lm, adapter)
+    steps: list[str] = []
+    if convert_module is not None:
+        causal_lm = _convert(causal_lm, convert_module)
+        steps.append("convert_module")
+
+    fp32_compute = adapter.fp32_compute_modules(causal_lm)
+    upcast = upcast_parameters_to_fp32(causal_lm)
+    steps.append("upcast_fp32")
+
+    sharding = _low_precision_sharding(causal_lm, mesh, fallback_to_unsharded)
+    replicated_modules: tuple[str, ...] = () if sharding is None else sharding.replicated_modules
+    layers = adapter.decoder_layers(causal_lm)
+    sharded = _fully_shard_model(
+        causal_lm,
+        layers,
+        mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        fp32_compute=fp32_compute,
+        replicated_modules=replicated_modules,
+    )
+    steps.append("fully_shard")
+
+    if sharding is not None:
+        from lp_lightning.integration import refresh_low_precision_weights
+
+        refresh_low_precision_weights(causal_lm.parameters())
+        steps.append("refresh_low_precision")
+
+    wrapped = apply_activation_checkpointing(layers, activation_checkpoint)
+    if wrapped:
+        steps.append("activation_checkpoint")
+
+    record = ParallelizationRecord(
+        steps=tuple(steps),
+        mesh_shape=tuple(mesh.shape),
+        upcast_params=upcast,
+        sharded_modules=sharded,
+        fp32_compute_modules=fp32_compute,
+        checkpointed_layers=wrapped,
+        reshard_after_forward=reshard_after_forward,
+        param_dtype=str(mp_policy.param_dtype),
+        reduce_dtype=str(mp_policy.reduce_dtype),
+        low_precision_weights=0 if sharding is None else len(sharding.sharded) + len(sharding.replicated),
+        replicated_low_precision=() if sharding is None else tuple((w.fqn, w.reason) for w in sharding.replicated),
+    )
+    return causal_lm, record
+
+
+def _check_plain(causal_lm: nn.Module, adapter: ModelAdapter) -> None:
+    """The model has decoder layers where its adapter looks and is not sharded yet."""
+    adapter.decoder_layers(causal_lm)
     if is_parallelized(causal_lm):
         raise TypeError(
             f"{type(causal_lm).__name__} is already sharded with fully_shard; parallelize a plain "
             f"model exactly once."
         )
-    steps: list[str] = []
-    if convert_module is not None:
-        converted = convert_module(causal_lm)
-        if not isinstance(converted, nn.Module):
-            raise TypeError(
-                f"convert_module must return an nn.Module, got {type(converted).__name__}."
-            )
-        causal_lm = converted
-        steps.append("convert_module")
 
-    fp32_compute = modules_kept_in_fp32(causal_lm)
-    upcast = upcast_parameters_to_fp32(causal_lm)
-    steps.append("upcast_fp32")
 
-    low_precision = has_low_precision_weights(causal_lm)
-    replicated_modules: tuple[str, ...] = ()
-    replicated: tuple[tuple[str, str], ...] = ()
-    num_low_precision = 0
-    if low_precision:
-        from lp_lightning.integration import plan_low_precision_sharding
-
-        sharding = plan_low_precision_sharding(
-            causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded
+def _convert(causal_lm: nn.Module, convert_module: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """Step 1: the precision plugin's conversion (module docstring); returns the module to use."""
+    converted = convert_module(causal_lm)
+    if not isinstance(converted, nn.Module):
+        raise TypeError(
+            f"convert_module must return an nn.Module, got {type(converted).__name__}."
         )
-        replicated_modules = sharding.replicated_modules
-        replicated = tuple((w.fqn, w.reason) for w in sharding.replicated)
-        num_low_precision = len(sharding.sharded) + len(sharding.replicated)
+    return converted
 
+
+def _low_precision_sharding(causal_lm: nn.Module, mesh: DeviceMesh, fallback_to_unsharded: bool) -> Any | None:
+    """The shard-legality plan of the low-precision weights (design spec §9.1), ``None`` without any (bf16).
+
+    Imports :mod:`lp_lightning.integration` only when the model holds
+    low-precision weights.
+    """
+    if not has_low_precision_weights(causal_lm):
+        return None
+    from lp_lightning.integration import plan_low_precision_sharding
+
+    return plan_low_precision_sharding(causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded)
+
+
+def _fully_shard_model(
+    causal_lm: nn.Module,
+    layers: nn.ModuleList,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    fp32_compute: Sequence[str],
+    replicated_modules: Sequence[str],
+) -> int:
+    """Step 3: ``fully_shard`` in order — replicated fallback modules, FP32 compute modules, decoder
+    layers, root (module docstring). Returns the number of ``fully_shard`` calls."""
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
     modules = dict(causal_lm.named_modules())
-    if replicated_modules:  # before the layers that contain them (fsdp_extension docstring)
+    if replicated_modules:  # before the layers that contain them (integration.sharding docstring)
         from lp_lightning.integration import replicated_fallback_mesh
 
         replicate_mesh = replicated_fallback_mesh(mesh.device_type, mesh.size())
@@ -405,36 +417,10 @@ def parallelize_causal_lm(
             )
     for fqn in fp32_compute:
         fully_shard(modules[fqn], mesh=mesh, mp_policy=fp32_policy, reshard_after_forward=reshard_after_forward)
-    layers = decoder_layers(causal_lm)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(causal_lm, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    steps.append("fully_shard")
-
-    if low_precision:
-        from lp_lightning.integration import refresh_low_precision_weights
-
-        refresh_low_precision_weights(causal_lm.parameters())
-        steps.append("refresh_low_precision")
-
-    wrapped = apply_activation_checkpointing(causal_lm, activation_checkpoint)
-    if wrapped:
-        steps.append("activation_checkpoint")
-
-    record = ParallelizationRecord(
-        steps=tuple(steps),
-        mesh_shape=tuple(mesh.shape),
-        upcast_params=upcast,
-        sharded_modules=len(replicated_modules) + len(fp32_compute) + len(layers) + 1,
-        fp32_compute_modules=fp32_compute,
-        checkpointed_layers=wrapped,
-        reshard_after_forward=reshard_after_forward,
-        param_dtype=str(mp_policy.param_dtype),
-        reduce_dtype=str(mp_policy.reduce_dtype),
-        low_precision_weights=num_low_precision,
-        replicated_low_precision=replicated,
-    )
-    return causal_lm, record
+    return len(replicated_modules) + len(fp32_compute) + len(layers) + 1
 
 
 def _group_by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

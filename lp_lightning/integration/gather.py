@@ -18,7 +18,7 @@ exactly when the autograd engine is executing a graph task on this thread
 (``torch._C._current_graph_task_id() != -1``): pre-backward unshard, backward prefetch, and the
 forward re-run of ``activation_checkpoint="full"``. Whether the forward copy survives into backward
 is configuration (``reshard_after_forward``, activation checkpointing), which the weight is told at
-finalize time as a :class:`~lp_lightning.formats.weight.GatherPolicy` — see :func:`gather_policy_for`.
+finalize time as a :class:`GatherPolicy` — see :func:`gather_policy_for`.
 
 FSDP2 gather schema . FSDP2
 allocates a parameter's all-gather output buffers once, from the first call's (count, numel,

@@ -10,7 +10,7 @@ Lifecycle (design spec §12.1; the strategy calls these in this order, see
 :mod:`lp_lightning.distributed.fsdp` and :mod:`lp_lightning.integration`)::
 
     configure_sharding(reshard_after_forward=..., activation_checkpoint=...)   # strategy, first
-    convert_module(model)        # 1. compile the replacement plan on a META twin of model.config
+    convert_module(model)        # 1. compile the replacement plan on the model adapter's META twin
                                  #    (structure only), 2. plan.apply(model) on the materialised,
                                  #    HF-initialised model, 3. finalize_low_precision_weights(model,
                                  #    build=False, gather_policy=gather_policy_for(...)): FP32 masters
@@ -57,10 +57,11 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lp_lightning.distributed.fsdp import default_mixed_precision_policy, resolve_causal_lm, total_grad_norm
+from lp_lightning.distributed.fsdp import default_mixed_precision_policy, total_grad_norm
 from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, PrecisionName
 
 if TYPE_CHECKING:
+    from lp_lightning.models.adapter import ModelAdapter
     from lp_lightning.plan import ReplacementReport, ReplacementRule
 
 __all__ = ["SUPPORTED_PRECISIONS", "LowPrecisionFabricPlugin", "LowPrecisionPlugin", "PrecisionMode"]
@@ -87,9 +88,9 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         skip_nonfinite_steps: Skip ``optimizer.step()`` (and the refresh) when the total gradient
             norm is NaN/Inf; see the module docstring. ``False`` steps unconditionally.
         plan_rules: Replacement rules (``lp_lightning.plan.ReplacementRule``) or the path of a
-            ``plan_overrides`` YAML (``configs/plan_deepseek_v3.yaml``); ``None`` uses
-            :func:`~lp_lightning.plan.deepseek_v3_default_rules` of the model's config. Ignored in
-            ``bf16``.
+            ``plan_overrides`` YAML (``configs/plan_deepseek_v3.yaml``); ``None`` uses the model
+            adapter's ``default_replacement_rules`` of the model's config
+            (:class:`~lp_lightning.models.adapter.ModelAdapter`). Ignored in ``bf16``.
 
     Attributes:
         mode: The ``precision`` string.
@@ -197,11 +198,11 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint
         )
 
-    def _rules(self, config: Any) -> Sequence[ReplacementRule]:
+    def _rules(self, adapter: ModelAdapter, config: Any) -> Sequence[ReplacementRule]:
         from lp_lightning import plan
 
         if self.plan_rules is None:
-            return plan.deepseek_v3_default_rules(config)
+            return adapter.default_replacement_rules(config)
         if isinstance(self.plan_rules, str):
             return plan.load_rules(self.plan_rules)
         return tuple(self.plan_rules)
@@ -210,8 +211,10 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Replace the planned modules and finalize their weights; the strategy calls it before sharding.
 
-        Steps (design spec §5, §12.1): build a meta twin of ``module``'s HF config (structure only, no
-        memory), ``compile_plan`` on it, ``plan.apply`` on ``module`` (atomic: all or nothing),
+        Steps (design spec §5, §12.1): find the model's adapter
+        (:func:`~lp_lightning.models.adapter.adapter_for`), build its meta twin (structure only, no
+        memory), ``compile_plan`` on it with the adapter's default rules (or :attr:`plan_rules`) and
+        never-replace rules, ``plan.apply`` on ``module`` (atomic: all or nothing),
         then ``finalize_low_precision_weights`` (FP32 masters, gather policy of
         :meth:`configure_sharding`; storage built only when no strategy configured sharding).
         The report is kept in :attr:`replacement_report` and logged.
@@ -225,20 +228,27 @@ class LowPrecisionFabricPlugin(FabricPrecision):
 
         Raises:
             TypeError, ValueError: From the plan (zero-hit rule, double match, subclassed Linear;
-                the model is untouched then) or from finalize (sharded or meta parameters).
+                the model is untouched then) or from finalize (sharded or meta parameters); a
+                ``TypeError`` when no model adapter describes ``module``.
         """
         if not self.policy.enabled:
             return module
         from lp_lightning import integration as lp_weight
-        from lp_lightning.models.deepseek_v3 import build_meta_model
+        from lp_lightning.models.adapter import adapter_for
         from lp_lightning.plan import compile_plan
 
-        causal_lm = resolve_causal_lm(module)
+        adapter = adapter_for(module)
+        causal_lm = adapter.causal_lm(module)
         if self.replacement_report is not None:
             raise RuntimeError(f"{type(self).__name__}.convert_module ran twice; the model is already converted.")
-        config = causal_lm.config
-        meta = build_meta_model(config, attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa")
-        plan = compile_plan(meta, self._rules(config), self.policy)
+        meta = adapter.build_meta_twin(causal_lm)
+        plan = compile_plan(
+            meta,
+            self._rules(adapter, causal_lm.config),
+            self.policy,
+            never_replace=adapter.never_replace,
+            glob_hint=adapter.glob_hint,
+        )
         del meta
         report = plan.apply(causal_lm)
         sharded_later = self._gather_policy is not None
@@ -271,8 +281,9 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         if not self.policy.enabled:
             return
         from lp_lightning.integration import refresh_low_precision_weights
+        from lp_lightning.models.adapter import adapter_for
 
-        refresh_low_precision_weights(resolve_causal_lm(module).parameters())
+        refresh_low_precision_weights(adapter_for(module).causal_lm(module).parameters())
         self.refreshes["resume"] += 1
 
     # -- optimizer step ----------------------------------------------------------------------------

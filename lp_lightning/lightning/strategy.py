@@ -21,8 +21,9 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
 * DCP checkpoints whose model keys are the HF names and whose optimizer view is keyed by the
   same names (:mod:`lp_lightning.distributed.checkpoint`).
 
-The LightningModule must hold the HF causal LM at ``.model`` (``.model.model.layers`` are the
-decoder layers) and may declare ``activation_checkpoint`` (``"off"``/``"full"``; absent means
+The LightningModule must hold the HF causal LM at ``.model`` (a model type with a registered
+:class:`~lp_lightning.models.adapter.ModelAdapter`, which says where its decoder layers are) and may
+declare ``activation_checkpoint`` (``"off"``/``"full"``; absent means
 ``"off"``). The precision plugin must be a
 :class:`~lp_lightning.lightning.precision.LowPrecisionFabricPlugin` (Trainer:
 :class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`) passed as an instance.
@@ -76,7 +77,6 @@ from lp_lightning.distributed.fsdp import (
     is_parallelized,
     parallelize_causal_lm,
     process_group_backend_for,
-    resolve_causal_lm,
 )
 from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
 
@@ -95,6 +95,20 @@ def _require_plugin(strategy_name: str, plugin: object) -> LowPrecisionFabricPlu
             f"plugins=[LowPrecisionFabricPlugin('bf16')]), and do not set `precision=`."
         )
     return plugin
+
+
+def _resolve_causal_lm(module: nn.Module) -> nn.Module:
+    """The HF causal LM in ``module`` (the model itself or the LightningModule holding it at ``.model``).
+
+    Found by the model's adapter (:func:`~lp_lightning.models.adapter.adapter_for`), imported here
+    on first use so that importing the strategy does not import the model packages.
+
+    Raises:
+        TypeError: No model adapter describes ``module``, or it holds no causal LM.
+    """
+    from lp_lightning.models.adapter import adapter_for
+
+    return adapter_for(module).causal_lm(module)
 
 
 def _check_materialized(module: nn.Module) -> None:
@@ -211,7 +225,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
 
     def _causal_lm(self) -> nn.Module:
         assert self.lightning_module is not None
-        return resolve_causal_lm(self.lightning_module)
+        return _resolve_causal_lm(self.lightning_module)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -389,7 +403,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         plugin = self.low_precision_plugin
-        causal_lm = resolve_causal_lm(module)
+        causal_lm = _resolve_causal_lm(module)
         _check_materialized(causal_lm)
         parallel_lm, record = parallelize_causal_lm(
             causal_lm,
@@ -450,7 +464,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes neither storage_options nor filter.")
         path = Path(self.broadcast(path))
         _, module, optimizers, rest = self._split_state(state)
-        causal_lm = resolve_causal_lm(module)
+        causal_lm = _resolve_causal_lm(module)
         metadata = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in rest.items()}
         save_dcp_checkpoint(
             path,
@@ -485,7 +499,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
         path = Path(self.broadcast(path))
         _, module, optimizers, rest = self._split_state(state)
         metadata = load_dcp_checkpoint(
-            path, model=resolve_causal_lm(module), optimizers=optimizers, strict=strict,
+            path, model=_resolve_causal_lm(module), optimizers=optimizers, strict=strict,
             weights_only=weights_only,
         )
         self.low_precision_plugin.rebuild_after_load(module)

@@ -1,5 +1,22 @@
-"""Model builders. ``deepseek_v3``: HF transformers DeepSeek-V3 from a config (design spec §4.1)."""
+"""Model builders and model adapters.
 
+``deepseek_v3``: HF transformers DeepSeek-V3 from a config (design spec §4.1) and its
+:class:`~lp_lightning.models.adapter.ModelAdapter` (:mod:`lp_lightning.models.deepseek_v3.adapter`),
+registered here so :func:`adapter_for` finds it.
+"""
+
+from lp_lightning.models.adapter import ModelAdapter, adapter_for, register_model_adapter, registered_model_adapters
 from lp_lightning.models.deepseek_v3 import SPECS, from_hf_config
+from lp_lightning.models.deepseek_v3.adapter import DEEPSEEK_V3
 
-__all__ = ["SPECS", "from_hf_config"]
+register_model_adapter(DEEPSEEK_V3)
+
+__all__ = [
+    "DEEPSEEK_V3",
+    "SPECS",
+    "ModelAdapter",
+    "adapter_for",
+    "from_hf_config",
+    "register_model_adapter",
+    "registered_model_adapters",
+]

@@ -9,11 +9,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lp_lightning.distributed.fsdp import (
     build_dp_mesh,
-    decoder_layers,
     default_mixed_precision_policy,
     parallelize_causal_lm,
     process_group_backend_for,
-    resolve_causal_lm,
     total_grad_norm,
     upcast_parameters_to_fp32,
 )
@@ -35,17 +33,6 @@ def test_backend_by_device_type():
     assert [process_group_backend_for(d) for d in ("cpu", "cuda", "npu")] == ["gloo", "nccl", "hccl"]
     with pytest.raises(ValueError, match=r"'xpu'.*process_group_backend"):
         process_group_backend_for("xpu")
-
-
-def test_resolve_causal_lm_accepts_model_or_wrapper(tiny_state):
-    model = _tiny(tiny_state)
-    wrapper = nn.Module()
-    wrapper.model = model
-    assert resolve_causal_lm(model) is model
-    assert resolve_causal_lm(wrapper) is model
-    assert decoder_layers(model) is model.model.layers
-    with pytest.raises(TypeError, match=r"module.model.layers"):
-        resolve_causal_lm(nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("activation_checkpoint", ["off", "full"])
@@ -117,3 +104,68 @@ def test_sharded_forward_matches_plain_bf16_model_and_grad_norm(tiny_state, sing
     assert norm.dtype == torch.float32 and not isinstance(norm, DTensor)
     # FP32-reduced grads vs BF16 grads of the plain model: agree to the BF16 unit roundoff.
     assert norm.item() == pytest.approx(ref_norm.item(), rel=2.0**-8)
+
+
+class _ToyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8, dtype=torch.bfloat16)
+        self.gate = nn.Linear(8, 2)  # FP32 in a BF16 model
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h)
+
+
+class _ToyLM(nn.Module):
+    """Not a HF model: embedding, two blocks (a BF16 Linear and an FP32 ``gate`` each), head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, dtype=torch.bfloat16)
+        self.blocks = nn.ModuleList(_ToyBlock() for _ in range(2))
+        self.head = nn.Linear(8, 16, dtype=torch.bfloat16)
+
+
+class _ToyAdapter:
+    """A model adapter for :class:`_ToyLM`: the FSDP2 application needs nothing else to know."""
+
+    name = "toy"
+    never_replace = ()
+    glob_hint = None
+
+    def matches(self, model):
+        return isinstance(model, _ToyLM)
+
+    def causal_lm(self, module):
+        return module
+
+    def decoder_layers(self, causal_lm):
+        return causal_lm.blocks
+
+    def fp32_compute_modules(self, causal_lm):
+        return ("blocks.0.gate", "blocks.1.gate")
+
+    def default_replacement_rules(self, config):
+        return ()
+
+    def build_meta_twin(self, causal_lm):
+        raise NotImplementedError
+
+
+def test_parallelize_takes_the_model_structure_from_the_adapter(single_rank_group):
+    mesh = build_dp_mesh("cpu", 1)
+    with pytest.raises(TypeError, match=r"no model adapter for model type None \(_ToyLM\).*register_model_adapter"):
+        parallelize_causal_lm(_ToyLM(), mesh, mp_policy=default_mixed_precision_policy(),
+                              reshard_after_forward=True, activation_checkpoint="off")
+    model = _ToyLM()
+    out, record = parallelize_causal_lm(
+        model, mesh, mp_policy=default_mixed_precision_policy(), reshard_after_forward=True,
+        activation_checkpoint="full", adapter=_ToyAdapter(),
+    )
+    assert out is model
+    assert record.steps == ("upcast_fp32", "fully_shard", "activation_checkpoint")
+    assert record.fp32_compute_modules == ("blocks.0.gate", "blocks.1.gate")
+    assert record.sharded_modules == 2 + 2 + 1 and record.checkpointed_layers == 2
+    assert record.upcast_params == 1 + 2 * 2 + 2  # embed, proj weight+bias per block, head weight+bias
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.dtype == torch.float32, name

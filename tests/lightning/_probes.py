@@ -96,7 +96,11 @@ class StateDump(Callback):
 
 
 class ImportedModules(Callback):
-    """Writes ``<out_dir>/imported_rank<r>.json``: which of ``WATCHED`` were imported by the end of training."""
+    """Writes ``<out_dir>/imported_rank<r>.json``: which of ``WATCHED`` were imported by the end of training.
+
+    A cheap check inside the multi-process CLI runs; the full bf16 guard (every low-precision module
+    of the source tree) is ``tests/test_bf16_imports.py``.
+    """
 
     WATCHED = ("lp_lightning.tensor.weight", "lp_lightning.plan", "lp_lightning.integration.refresh",
                "lp_lightning.integration.sharding", "torch_npu")

@@ -31,6 +31,7 @@ from lp_lightning.formats import recipe_for, set_compiled_kernels
 from lp_lightning.integration import finalize_low_precision_weights
 from lp_lightning.functional import grouped_linear, linear, low_precision_grouped_swiglu
 from lp_lightning.models.deepseek_v3 import from_hf_config
+from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
 from lp_lightning.models.deepseek_v3.experts import (
     DeepseekV3LowPrecisionExperts,
     replace_deepseek_v3_low_precision_experts,
@@ -38,7 +39,7 @@ from lp_lightning.models.deepseek_v3.experts import (
 from lp_lightning.modules import LowPrecisionLinear
 from lp_lightning.ops import GemmRole, record_gemms
 from lp_lightning.ops.emulated import EmulatedBackend
-from lp_lightning.plan import compile_plan, deepseek_v3_default_rules
+from lp_lightning.plan import compile_plan
 from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy
 
 FORMATS = {"mxfp8_e4m3": "mxfp8", "hif8": "hif8"}
