@@ -1,9 +1,10 @@
-"""Names every layer shares: the low-precision element formats and the parser of ``str`` Enums.
+"""Config-level names: the product's low-precision formats and the parser of ``str`` Enums.
 
-Pure Python (no torch, no package import), so that the configuration layer
-(:mod:`lp_lightning.policy`, which must stay torch-free) and the format layer
-(:mod:`lp_lightning.formats`) use one and the same :class:`LowPrecisionFormat` — a value parsed
-from YAML is the very member the quantizers and op backends dispatch on.
+Pure Python (no torch, no package import), for the configuration layer (:mod:`lp_lightning.policy`,
+which must stay torch-free). :class:`LowPrecisionFormat` holds the formats a ``--precision`` value
+selects, with the same values as their entries in :mod:`lp_lightning.formats.registry` (tested);
+below the config layer a format is its ``FormatSpec``, which equals its name, so a member parsed
+from YAML compares equal to the spec the quantizers and backends use.
 """
 
 from __future__ import annotations

@@ -187,3 +187,17 @@ def test_config_and_policy_never_import_torch_npu():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"policy_uses_torch": False, "torch_npu": False}
+
+
+def test_config_names_agree_with_the_format_registry():
+    """The config layer's enums and Literal hints name exactly the registry's product formats."""
+    import typing
+
+    from lp_lightning.formats import registry
+
+    product = registry.precision_names()  # --precision value -> entry
+    assert {f.value for f in LowPrecisionFormat} == {e.name for e in product.values()}
+    assert {p.value for p in PrecisionName} - {"bf16"} == set(product)
+    assert {r.value for r in RecipeName} == {e.recipe for e in product.values()}
+    assert set(typing.get_args(typing.get_type_hints(LowPrecisionConfig)["format"])) == {e.name for e in product.values()}
+    assert {(f.value, s.value) for f, s in LEGAL_PAIRS} == {(e.name, e.scaling) for e in product.values()}
