@@ -231,8 +231,7 @@ def _world_size(trainer: Namespace) -> int | None:
             raise ValueError(
                 f"torchrun started WORLD_SIZE={launched} processes, but trainer.devices={devices} x "
                 f"trainer.num_nodes={num_nodes} = {devices * num_nodes}; pass --trainer.devices "
-                f"{os.environ.get('LOCAL_WORLD_SIZE', launched)} (processes per node) and --trainer.num_nodes "
-                f"to match the torchrun command."
+                f"{os.environ.get('LOCAL_WORLD_SIZE', launched)} (per node) and --trainer.num_nodes to match."
             )
         return int(launched)
     if isinstance(devices, int) and devices > 0 and isinstance(num_nodes, int):

@@ -128,8 +128,7 @@ class FSDP2Config:
         if self.dp_shard_size != world_size:
             raise ValueError(
                 f"fsdp_config.dp_shard_size={self.dp_shard_size} does not match the world size "
-                f"{world_size}: parameters are sharded over all ranks of a 1-D mesh (no replicate "
-                f"dimension). Launch {self.dp_shard_size} processes (e.g. --trainer.devices "
+                f"{world_size}. Launch {self.dp_shard_size} processes (e.g. --trainer.devices "
                 f"{self.dp_shard_size}) or set `dp_shard_size: null`."
             )
         return self.dp_shard_size

@@ -178,10 +178,8 @@ def _load_hf(path: Path, spec: str, eos_token: str | None) -> HFTokenizer:
         if not tokenizer_json.is_file():
             present = sorted(p.name for p in path.iterdir())[:20]
             raise ValueError(
-                f"load_tokenizer: folder {str(path)!r} has no tokenizer.json (found: {present}). "
-                "Expected a Hugging Face fast-tokenizer folder containing tokenizer.json; "
-                "convert a slow tokenizer with transformers.AutoTokenizer.from_pretrained(path)"
-                ".save_pretrained(path), or pass 'byte' for the byte-level tokeniser."
+                f"load_tokenizer: folder {str(path)!r} has no tokenizer.json (found: {present}). Convert it "
+                "with transformers.AutoTokenizer.from_pretrained(path).save_pretrained(path), or pass 'byte'."
             )
         folder = path
     else:

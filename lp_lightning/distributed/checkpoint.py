@@ -303,16 +303,16 @@ def verify_dcp_checkpoint(
             if strict:
                 raise ValueError(
                     f"checkpoint {str(path)!r} has no tensor {fqn!r} that the model expects (shape "
-                    f"{tuple(tensor.shape)}); it was written for another model. Build the model of "
-                    f"that run, or load non-strictly (LightningModule.strict_loading = False)."
+                    f"{tuple(tensor.shape)}). Build the model of that run, or load non-strictly "
+                    f"(LightningModule.strict_loading = False)."
                 )
             continue
         saved_shape = tuple(getattr(entry, "size", ()))
         if hasattr(entry, "size") and saved_shape != tuple(tensor.shape):
             raise ValueError(
                 f"checkpoint {str(path)!r} holds {fqn!r} with shape {saved_shape}, the model has "
-                f"{tuple(tensor.shape)}; it was written for another model config. Build the model "
-                f"of that run (the same --model.config_name_or_path and --model.config_overrides)."
+                f"{tuple(tensor.shape)}. Build the model of that run (same --model.config_name_or_path "
+                f"and --model.config_overrides)."
             )
     for key in optimizer_keys:
         if not any(k.startswith(key + ".") for k in saved):

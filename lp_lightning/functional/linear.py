@@ -107,11 +107,9 @@ def select_weight(weight: torch.Tensor, orientation: Orientation, *, who: str, n
     """
     if not is_low_precision_weight(weight):
         raise TypeError(
-            f"{who}: {name} is a plain {type(weight).__name__} of shape {tuple(weight.shape)}; the low-precision "
-            "GEMMs need the persistent low-precision weight derived from the FP32 master (a tensor with "
-            "select(orientation), design spec §7.2-7.3). Build it once after init with "
-            "lp_lightning.integration.finalize_low_precision_weights (or QuantizedWeightTensor.from_master); "
-            "the weight is never quantized per call and there is no high-precision fallback."
+            f"{who}: {name} is a plain {type(weight).__name__} of shape {tuple(weight.shape)}, not a low-precision "
+            "weight; build it once after init with lp_lightning.integration.finalize_low_precision_weights "
+            "(no high-precision fallback)."
         )
     operand = weight.select(orientation)
     if not isinstance(operand, QuantizedOperand):

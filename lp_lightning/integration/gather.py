@@ -568,7 +568,7 @@ class GatherExtension:
             raise ValueError(
                 f"fsdp_pre_all_gather({weight.fqn!r}): local shard {tuple(weight.shape)} is not the dim-0 shard "
                 f"{expected_local} of {layout.outer_shape} on rank {rank} of {world_size}; low-precision weights "
-                "only support FSDP2 Shard(0) (do not pass a shard_placement_fn for them)."
+                "only support FSDP2 Shard(0): pass no shard_placement_fn."
             )
         if not weight.is_built:
             raise ValueError(

@@ -148,8 +148,8 @@ def refresh_low_precision_weights(
             if master is not param and not is_master_of(candidate, local):
                 raise ValueError(
                     f"refresh_low_precision_weights: master_params[{i}] (shape {tuple(master.shape)}, dtype "
-                    f"{master.dtype}) is not the master of {local.fqn!r}; the low-precision storage is only "
-                    "rebuilt from the FP32 master the optimizer updated (design spec §10)."
+                    f"{master.dtype}) is not the master of {local.fqn!r}; pass the FP32 masters the optimizer "
+                    "updated (design spec §10)."
                 )
         entries.append((param, local))
 

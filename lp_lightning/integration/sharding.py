@@ -168,8 +168,7 @@ def plan_low_precision_sharding(
         lines = "\n  ".join(w.reason for w in replicated)
         raise ValueError(
             f"{len(replicated)} low-precision weight(s) cannot be sharded over {world_size} ranks (design spec §9.1):\n  "
-            f"{lines}\nSet fsdp_config.fallback_to_unsharded=true to keep them replicated (their GEMMs stay low "
-            "precision), or choose a world size that satisfies the rule."
+            f"{lines}\nSet fsdp_config.fallback_to_unsharded=true to replicate them, or change the world size."
         )
     # A replicated module's other low-precision weights go with it (one fully_shard unit per module).
     moved = {w.module_fqn for w in replicated}

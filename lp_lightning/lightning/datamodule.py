@@ -208,8 +208,8 @@ class PretrainDataModule(pl.LightningDataModule):
         if trainer.global_step > 0 and trainer.global_step >= trainer.max_steps:
             raise ValueError(
                 f"the restored checkpoint is at step {trainer.global_step}, not below trainer.max_steps="
-                f"{trainer.max_steps}: nothing to train. To train on, set --trainer.max_steps above "
-                f"{trainer.global_step} (and --model.lr_decay_steps if the schedule should stretch too)."
+                f"{trainer.max_steps}: nothing to train. Set --trainer.max_steps above {trainer.global_step} "
+                f"(and --model.lr_decay_steps to stretch the schedule)."
             )
         dataset = StepBatchDataset(
             self.cache,

@@ -262,7 +262,12 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.replacement_report = report
         self.low_precision_weights = tuple(r.fqn for r in records)
         self._device = next(causal_lm.parameters()).device
-        log.info("%s\n%d low-precision weights finalized (FP32 masters)", report.format(), len(records))
+        log.info(
+            "%s\n%d low-precision weights finalized (FP32 masters); op backend: %s",
+            report.format(),
+            len(records),
+            self.backend,  # resolved now: an NPU device whose capability check fails stops here
+        )
         return module
 
     def note_startup_refresh(self) -> None:

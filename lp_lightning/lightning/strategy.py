@@ -90,9 +90,8 @@ def _require_plugin(strategy_name: str, plugin: object) -> LowPrecisionFabricPlu
     if not isinstance(plugin, LowPrecisionFabricPlugin):
         raise TypeError(
             f"{strategy_name} needs the lp-lightning precision plugin, got "
-            f"{type(plugin).__name__}. Pass it as an instance: Trainer(..., "
-            f"plugins=[LowPrecisionPlugin('bf16')]) or Fabric(..., "
-            f"plugins=[LowPrecisionFabricPlugin('bf16')]), and do not set `precision=`."
+            f"{type(plugin).__name__}. Pass plugins=[LowPrecisionPlugin('bf16')] (Trainer) or "
+            f"[LowPrecisionFabricPlugin('bf16')] (Fabric), without `precision=`."
         )
     return plugin
 
@@ -428,10 +427,9 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             ValueError: Always, with the order to use instead.
         """
         raise ValueError(
-            f"{type(self).__name__} shards the model's Parameters, so an optimizer created before "
-            f"`fabric.setup` would update stale tensors. Call `model = fabric.setup_module(model)`, "
-            f"then create the optimizer over `model.parameters()`, then "
-            f"`optimizer = fabric.setup_optimizers(optimizer)`."
+            f"{type(self).__name__}: `fabric.setup(model, optimizer)` is not supported. Call "
+            f"`model = fabric.setup_module(model)`, create the optimizer over `model.parameters()`, then "
+            f"`fabric.setup_optimizers(optimizer)`."
         )
 
     @staticmethod

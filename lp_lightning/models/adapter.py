@@ -173,10 +173,8 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
     if not matching:
         raise TypeError(
             f"no model adapter for model type {hf_model_type(model)!r} ({described}); registered adapters: "
-            f"{sorted(_ADAPTERS)}. lp-lightning trains a Hugging Face causal LM through the adapter of its "
-            "model type: pass a model of a registered type, or implement "
-            "lp_lightning.models.adapter.ModelAdapter for this one and call "
-            "lp_lightning.models.register_model_adapter(adapter) before the strategy sets it up."
+            f"{sorted(_ADAPTERS)}. Use a registered type, or register yours with "
+            "lp_lightning.models.register_model_adapter(adapter) before strategy setup."
         )
     raise ValueError(
         f"{len(matching)} model adapters match {described} (model type {hf_model_type(model)!r}): "

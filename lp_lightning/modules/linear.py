@@ -40,7 +40,8 @@ def check_factory_arguments(
     Args:
         who: Factory name for messages.
         source: The module to replace; must be exactly of type ``expected``.
-        expected: The required class (subclasses and wrappers are rejected).
+        expected: The required class (subclasses and wrappers are rejected: they change
+            behaviour the low-precision module would not keep).
         fqn: The module's fully qualified name; a non-empty ``str``.
         policy: A ``LowPrecisionPolicy`` with ``enabled=True``.
         require_policy: ``False`` for constructors that take a recipe instead (``policy`` unused).
@@ -57,8 +58,7 @@ def check_factory_arguments(
     if type(source) is not expected:
         raise TypeError(
             f"{who}: module {fqn!r} is a {type(source).__module__}.{type(source).__qualname__}; only an exact "
-            f"{expected.__module__}.{expected.__qualname__} can be replaced (subclasses and wrappers change "
-            "behaviour the low-precision module would not keep). Exclude this FQN from the rule."
+            f"{expected.__module__}.{expected.__qualname__} can be replaced. Exclude this FQN from the rule."
         )
     if not require_policy:
         return
@@ -114,7 +114,7 @@ class LowPrecisionLinear(nn.Linear):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError(
-            "LowPrecisionLinear is built from an existing nn.Linear: use "
+            "LowPrecisionLinear is built from an nn.Linear: use "
             "lp_lightning.modules.replace_low_precision_linear(source, fqn=..., policy=...) or "
             "LowPrecisionLinear.from_linear(source, fqn=..., recipe=...)."
         )
@@ -168,9 +168,8 @@ class LowPrecisionLinear(nn.Linear):
         if not is_low_precision_weight(self.weight):
             raise TypeError(
                 f"LowPrecisionLinear {self.fqn!r}: weight is still the plain high-precision Parameter "
-                f"{tuple(self.weight.shape)}; build the persistent {self.recipe.format.name} weight from the "
-                "master once after the plan is applied (lp_lightning.integration.finalize_low_precision_weights). "
-                "There is no high-precision fallback."
+                f"{tuple(self.weight.shape)}; build the {self.recipe.format.name} weight after applying the plan "
+                "with lp_lightning.integration.finalize_low_precision_weights."
             )
         return low_precision_linear(input, self.weight, self.bias, recipe=self.recipe)
 

@@ -119,8 +119,8 @@ def _check_type(group: _AliasGroup, rule: ReplacementRule, required: type) -> No
         detail = f" It wraps {_type_name(required)} at {wrapped[:3]} (a PEFT/LoRA or custom wrapper)."
     raise TypeError(
         f"rule {rule.name!r}: module {fqn!r} is {_type_name(type(module))}, but the rule requires "
-        f"{relation}.{detail} Subclassed and wrapped modules are not replaced (design spec §15); fix the "
-        "rule's `match` globs, add an `exclude` glob, or remove the wrapper."
+        f"{relation}.{detail} Fix the `match` globs, add an `exclude` glob, or remove the wrapper (design "
+        "spec §15)."
     )
 
 
@@ -228,8 +228,8 @@ def _select(
             raise ValueError(
                 f"module {group.fqns[0]!r} (FQNs {group.fqns}) is selected by two rules: "
                 f"{previous.rule.name!r} ({previous.rule.factory_name}, via {list(previous.matched_globs)}) "
-                f"and {rule.name!r} ({rule.factory_name}, via {hits[module_id]}); one module takes one "
-                "factory (design spec §4.3). Narrow one rule's globs or add an `exclude` glob."
+                f"and {rule.name!r} ({rule.factory_name}, via {hits[module_id]}). Narrow one rule's globs or add "
+                "an `exclude` glob."
             )
         selected[module_id] = PlannedReplacement(
             fqns=tuple(group.fqns),

@@ -133,8 +133,7 @@ class ReplacementRule:
             if set(factory) != {"_target_"}:
                 raise ValueError(
                     f"rule {rule!r}: `replace_module` must be {{'_target_': 'dotted.path'}} only, got keys "
-                    f"{sorted(factory)}; a factory takes no extra arguments, it is called as "
-                    "factory(source, *, fqn=..., policy=...) (design spec §13.2)."
+                    f"{sorted(factory)}; drop the extra keys, a factory takes no arguments (design spec §13.2)."
                 )
             factory = factory["_target_"]
         if isinstance(factory, str):

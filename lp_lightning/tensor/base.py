@@ -256,16 +256,15 @@ class _LowPrecisionWeightBase(torch.Tensor):
             raise ValueError(f"{type(self).__name__}.select: orientation={orientation!r}; legal values: 'row', 'col'.")
         if not self.is_built:
             raise ValueError(
-                f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: the low-precision storage "
-                "is not built (a fresh FSDP2 shard or a copy). Call "
+                f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: storage not built. Call "
                 "lp_lightning.integration.refresh_low_precision_weights(model.parameters()) after "
-                "fully_shard / load, before the first forward."
+                "fully_shard / load."
             )
         if orientation not in self._state.orientations:
             raise ValueError(
                 f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: this all-gathered copy "
-                f"carries only {self._state.orientations}; FSDP2 did not re-gather before this pass as the GatherPolicy "
-                "expected. Finalize with GatherPolicy(reshard_after_forward=False) or activation_checkpoint='full'."
+                f"carries only {self._state.orientations}. Finalize with GatherPolicy(reshard_after_forward=False) "
+                "or activation_checkpoint='full'."
             )
         data_name, scale_name = storage_names(self.format, orientation)
         format_max = getattr(weight_quantizer(self.recipe), "format_max", None) if self.format.uses_format_max else None
@@ -287,9 +286,8 @@ class _LowPrecisionWeightBase(torch.Tensor):
             return handler(cls, func, args, kwargs)
         if func.overloadpacket in _GEMM_OPS:
             raise TypeError(
-                f"{func} on a {cls.__name__} would run a high-precision GEMM on the weight; low-precision "
-                "modules consume it through weight.select(orientation) and lp_lightning.ops (no silent "
-                "BF16/FP32 fallback, requirement R6 (docs/design.md))."
+                f"{func} on a {cls.__name__} would run a high-precision GEMM on the weight; use "
+                "weight.select(orientation) with lp_lightning.ops (requirement R6, docs/design.md)."
             )
         return cls._generic(func, args, kwargs)
 

@@ -252,8 +252,8 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         if master_shard is not None and not _aliases(master_shard, self.master):
             raise ValueError(
                 f"refresh_from_master({self.fqn!r}): master_shard (shape {tuple(master_shard.shape)}, dtype "
-                f"{master_shard.dtype}) is not this weight's master; the storage is only rebuilt from the "
-                "authoritative FP32 master (design spec §10), never from a copy or a dequantised weight."
+                f"{master_shard.dtype}) is not this weight's master; pass its FP32 master or nothing "
+                "(design spec §10)."
             )
         if amax is not None and self.amax_scope is not AmaxScope.TENSOR:
             raise ValueError(

@@ -389,9 +389,8 @@ def _check_quantized(
     if tuple(scale.shape) != tuple(expected):
         raise ValueError(
             f"{fn}: scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)} for "
-            f"orientation={orientation!r}; expected {tuple(expected)} (one E8M0 code per {BLOCK_SIZE}-element "
-            f"block along dim {-1 if orientation == 'row' else -2}). Check that data and scale come from the "
-            "same quantize call and orientation."
+            f"orientation={orientation!r}; expected {tuple(expected)}. Pass data and scale from the same "
+            "quantize call."
         )
 
 

@@ -200,9 +200,9 @@ def resolve_causal_lm(module: nn.Module) -> nn.Module:
         if isinstance(candidate, nn.Module) and isinstance(getattr(inner, "layers", None), nn.ModuleList):
             return candidate
     raise TypeError(
-        f"cannot find a Hugging Face causal LM in {type(module).__name__}: expected "
-        f"`module.model.layers` (a *ForCausalLM such as DeepseekV3ForCausalLM) or "
-        f"`module.model.model.layers` (a wrapper holding it at `.model`) to be an nn.ModuleList."
+        f"cannot find a Hugging Face causal LM in {type(module).__name__}: no nn.ModuleList at "
+        f"`module.model.layers` or `module.model.model.layers`. Pass a *ForCausalLM or a "
+        f"wrapper holding one at `.model`."
     )
 
 

@@ -136,8 +136,8 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
             if not is_low_precision_weight(weight):
                 raise TypeError(
                     f"{who}: {name} is still the plain high-precision Parameter {tuple(weight.shape)}; build the "
-                    f"persistent {self.recipe.format.name} weights from the master once after the plan is applied "
-                    "(lp_lightning.integration.finalize_low_precision_weights). There is no high-precision fallback."
+                    f"{self.recipe.format.name} weights after applying the plan with "
+                    "lp_lightning.integration.finalize_low_precision_weights."
                 )
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
             raise ValueError(
