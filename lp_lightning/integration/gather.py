@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,10 +61,11 @@ import torch
 from torch import nn
 
 from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, WeightKind, as_spec, shard_rows
-from lp_lightning.tensor.storage import nbytes as _nbytes
-from lp_lightning.tensor.storage import storage_spec
+from lp_lightning.observers import ObserverHandle, Observers
 from lp_lightning.tensor.base import _WeightState, set_gather_extension
 from lp_lightning.tensor.gathered import GatheredWeightTensor
+from lp_lightning.tensor.storage import nbytes as _nbytes
+from lp_lightning.tensor.storage import storage_spec
 from lp_lightning.tensor.weight import QuantizedWeightTensor
 
 __all__ = [
@@ -481,35 +481,12 @@ class GatherEvent:
     local: bool
 
 
-_OBSERVER_LOCK = threading.Lock()
-_GATHER_OBSERVERS: dict[int, Callable[[GatherEvent], None]] = {}
-_NEXT_ID = [0]
+_GATHER_OBSERVERS: Observers[GatherEvent] = Observers("add_gather_observer")
 
 
-class _GatherObserverHandle:
-    def __init__(self, key: int) -> None:
-        self._key = key
-
-    def remove(self) -> None:
-        """Unregister the observer (idempotent)."""
-        with _OBSERVER_LOCK:
-            _GATHER_OBSERVERS.pop(self._key, None)
-
-
-def add_gather_observer(observer: Callable[[GatherEvent], None]) -> _GatherObserverHandle:
+def add_gather_observer(observer: Callable[[GatherEvent], None]) -> ObserverHandle:
     """Call ``observer(event)`` at every low-precision pre-all-gather; returns a handle with ``remove()``."""
-    with _OBSERVER_LOCK:
-        key = _NEXT_ID[0]
-        _NEXT_ID[0] += 1
-        _GATHER_OBSERVERS[key] = observer
-    return _GatherObserverHandle(key)
-
-
-def _notify(event: GatherEvent) -> None:
-    with _OBSERVER_LOCK:
-        observers = list(_GATHER_OBSERVERS.values())
-    for observer in observers:
-        observer(event)
+    return _GATHER_OBSERVERS.add(observer)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -585,7 +562,7 @@ class GatherExtension:
         phase = current_gather_phase()
         orientations = layout.orientations_for(phase)
         slots = layout.pack(weight._state.storage, orientations, local_rows, fqn=weight.fqn)
-        _notify(GatherEvent(fqn=weight.fqn, phase=phase, orientations=orientations, tensors=slots, local=world_size == 1))
+        _GATHER_OBSERVERS.notify(GatherEvent(fqn=weight.fqn, phase=phase, orientations=orientations, tensors=slots, local=world_size == 1))
         return slots, GatherMetadata(fqn=weight.fqn, phase=phase, orientations=orientations, layout=layout)
 
     def post_all_gather(

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterator, Literal
 
 import torch
+
+from lp_lightning.observers import ObserverHandle, Observers
 
 __all__ = [
     "GemmRole",
@@ -105,9 +106,7 @@ class GemmTraceEvent:
 Observer = Callable[[GemmTraceEvent], None]
 
 _role_var: contextvars.ContextVar[GemmRole | None] = contextvars.ContextVar("lp_lightning_gemm_role", default=None)
-_observers_lock = threading.Lock()
-_observers: tuple[tuple[int, Observer], ...] = ()
-_next_id = 0
+_OBSERVERS: Observers[GemmTraceEvent] = Observers("add_gemm_observer")
 
 
 @contextlib.contextmanager
@@ -143,25 +142,6 @@ def current_gemm_role() -> GemmRole | None:
     return _role_var.get()
 
 
-class ObserverHandle:
-    """Returned by ``add_gemm_observer``; ``remove()`` (idempotent) unregisters the observer."""
-
-    def __init__(self, observer_id: int) -> None:
-        self._id = observer_id
-
-    def remove(self) -> None:
-        """Stop delivering events to this observer."""
-        global _observers
-        with _observers_lock:
-            _observers = tuple(entry for entry in _observers if entry[0] != self._id)
-
-    def __enter__(self) -> ObserverHandle:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.remove()
-
-
 def add_gemm_observer(observer: Observer) -> ObserverHandle:
     """Register a callable that receives every ``GemmTraceEvent`` (process-wide, all threads).
 
@@ -174,13 +154,7 @@ def add_gemm_observer(observer: Observer) -> ObserverHandle:
     Raises:
         TypeError: if ``observer`` is not callable.
     """
-    global _observers, _next_id
-    if not callable(observer):
-        raise TypeError(f"add_gemm_observer: observer must be callable, got {type(observer).__name__}.")
-    with _observers_lock:
-        _next_id += 1
-        _observers = _observers + ((_next_id, observer),)
-        return ObserverHandle(_next_id)
+    return _OBSERVERS.add(observer)
 
 
 @contextlib.contextmanager
@@ -217,6 +191,5 @@ def emit(
         device=output.device.type,
         gemm_role=gemm_role,
     )
-    for _, observer in _observers:
-        observer(event)
+    _OBSERVERS.notify(event)
     return event

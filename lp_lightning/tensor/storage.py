@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lp_lightning.formats.spec import FormatSpec, Orientation, WeightKind, as_spec
+from lp_lightning.observers import ObserverHandle, Observers
 
 if TYPE_CHECKING:
     from lp_lightning.tensor.weight import QuantizedWeightTensor
@@ -84,33 +85,16 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 _REFRESH_LOCK = threading.Lock()
 _REFRESH_TOTAL = 0
-_REFRESH_OBSERVERS: dict[int, Callable[[QuantizedWeightTensor], None]] = {}
-_NEXT_OBSERVER_ID = 0
+_REFRESH_OBSERVERS: Observers[QuantizedWeightTensor] = Observers("add_refresh_observer")
 
 
-class _ObserverHandle:
-    """Removes an observer added by :func:`add_refresh_observer`."""
-
-    def __init__(self, key: int) -> None:
-        self._key = key
-
-    def remove(self) -> None:
-        with _REFRESH_LOCK:
-            _REFRESH_OBSERVERS.pop(self._key, None)
-
-
-def add_refresh_observer(observer: Callable[[QuantizedWeightTensor], None]) -> _ObserverHandle:
+def add_refresh_observer(observer: Callable[[QuantizedWeightTensor], None]) -> ObserverHandle:
     """Call ``observer(weight)`` after every storage (re)build. Observers must not mutate the weight.
 
     Returns:
-        A handle whose ``remove()`` unregisters the observer.
+        A handle whose ``remove()`` unregisters the observer (also a context manager).
     """
-    global _NEXT_OBSERVER_ID
-    with _REFRESH_LOCK:
-        key = _NEXT_OBSERVER_ID
-        _NEXT_OBSERVER_ID += 1
-        _REFRESH_OBSERVERS[key] = observer
-    return _ObserverHandle(key)
+    return _REFRESH_OBSERVERS.add(observer)
 
 
 def total_refresh_count() -> int:
@@ -123,6 +107,4 @@ def note_refresh(weight: QuantizedWeightTensor) -> None:
     global _REFRESH_TOTAL
     with _REFRESH_LOCK:
         _REFRESH_TOTAL += 1
-        observers = list(_REFRESH_OBSERVERS.values())
-    for observer in observers:
-        observer(weight)
+    _REFRESH_OBSERVERS.notify(weight)

@@ -1,0 +1,78 @@
+"""One mechanism for the public, read-only event hooks: GEMM, gather and refresh events.
+
+Each event kind owns one :class:`Observers` list in the layer that emits it —
+``lp_lightning.ops.add_gemm_observer`` (every low-precision GEMM),
+``lp_lightning.integration.add_gather_observer`` (every low-precision pre-all-gather) and
+``lp_lightning.tensor.add_refresh_observer`` (every storage build). Probes observe through these
+hooks only; they never wrap a method or read private state. Observers run synchronously in the
+emitting thread, must not mutate what they are shown, and are called in registration order.
+
+Pure Python (no torch), so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["ObserverHandle", "Observers"]
+
+E = TypeVar("E")
+
+
+class ObserverHandle:
+    """Returned by :meth:`Observers.add`; ``remove()`` (idempotent) unregisters. Also a context manager."""
+
+    def __init__(self, owner: Observers, key: int) -> None:
+        self._owner = owner
+        self._key = key
+
+    def remove(self) -> None:
+        """Stop delivering events to this observer."""
+        self._owner._remove(self._key)
+
+    def __enter__(self) -> ObserverHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
+class Observers(Generic[E]):
+    """A thread-safe list of callbacks for one kind of event (copy-on-write: notify takes no lock).
+
+    Args:
+        name: The registering function's name, for messages (``"add_gemm_observer"``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._entries: tuple[tuple[int, Callable[[E], None]], ...] = ()
+        self._next = 0
+
+    def add(self, observer: Callable[[E], None]) -> ObserverHandle:
+        """Register ``observer(event)``.
+
+        Raises:
+            TypeError: ``observer`` is not callable.
+        """
+        if not callable(observer):
+            raise TypeError(f"{self._name}: observer must be callable, got {type(observer).__name__}.")
+        with self._lock:
+            self._next += 1
+            self._entries = self._entries + ((self._next, observer),)
+            return ObserverHandle(self, self._next)
+
+    def _remove(self, key: int) -> None:
+        with self._lock:
+            self._entries = tuple(entry for entry in self._entries if entry[0] != key)
+
+    def notify(self, event: E) -> None:
+        """Deliver ``event`` to every observer registered now."""
+        for _, observer in self._entries:
+            observer(event)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
