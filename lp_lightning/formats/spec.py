@@ -195,7 +195,7 @@ class FormatSpec(abc.ABC):
         if isinstance(other, FormatSpec):
             return other is self
         if isinstance(other, str):
-            return str.__str__(other) == self.name if not isinstance(other, Enum) else other.value == self.name
+            return getattr(other, "value", other) == self.name  # a str-valued Enum member compares by value
         return NotImplemented
 
     def __hash__(self) -> int:

@@ -7,8 +7,8 @@ arguments of the hooks are read (no private FSDP state), and only the generic ``
 protocol: whether the format's orientation is physical, the scale shapes, the shard rule.
 
 **Why a fixed schema.** FSDP2 sizes a parameter's all-gather output buffers once, from the first
-call's (count, numel, dtype) of the physical tensors, and re-uses them. The seed's direction table
-(§9.1: MXFP8 forward with ``reshard_after_forward=true`` gathers one orientation, otherwise two)
+call's (count, numel, dtype) of the physical tensors, and re-uses them. The design spec's direction
+table (§9.1: MXFP8 forward with ``reshard_after_forward=true`` gathers one orientation, otherwise two)
 is therefore realised as one schema per weight: ``(data, scale)`` slots whose contents are the
 forward orientation in forward and the dgrad orientation in backward, or four slots (both
 orientations) in every gather when the gathered copy must serve both passes.
@@ -20,22 +20,21 @@ forward re-run of ``activation_checkpoint="full"``. Whether the forward copy sur
 is configuration (``reshard_after_forward``, activation checkpointing), which the weight is told at
 finalize time as a :class:`GatherPolicy` — see :func:`gather_policy_for`.
 
-FSDP2 gather schema . FSDP2
-allocates a parameter's all-gather output buffers once, from the first call's (count, numel,
-dtype), so the schema of the physical tensors is fixed per parameter (:class:`GatherLayout`):
-every slot is ``uint8`` (gloo cannot all-gather float8), data slots come first
-(``[S0, *rest]``, ``S0 = ceil(D0 / W)`` rows of the padded shard), then scale slots:
+**The schema** (:class:`GatherLayout`, fixed per parameter): every slot is ``uint8`` (gloo cannot
+all-gather float8), data slots come first (``[S0, *rest]``, ``S0 = ceil(D0 / W)`` rows of the
+padded shard), then scale slots. It follows from the format's ``FormatSpec``:
 
-====================================  ========================================================
-weight                                slots (in order)
-====================================  ========================================================
-HiF8 dense / grouped                  ``data``, ``scale`` (dense: 4 bytes per rank, checked equal)
-MXFP8, one orientation per gather     ``data``, ``scale`` — forward fills the fprop orientation
-(``GatherPolicy`` single)             (dense row / grouped col), backward the dgrad orientation
-                                      (dense col / grouped row); the scale slot is sized to the
-                                      larger of the two
-MXFP8, both orientations              ``row_data``, ``col_data``, ``row_scale``, ``col_scale``
-====================================  ========================================================
+=======================================  =====================================================
+weight                                   slots (in order)
+=======================================  =====================================================
+orientation is metadata (HiF8)           ``data``, ``scale`` (a 0-d scale: once per rank,
+                                         checked equal; a per-expert scale: sharded with E)
+physical orientation (MXFP8), one        ``data``, ``scale`` — forward fills the fprop orientation
+orientation per gather                   (dense row / grouped col), backward the dgrad one
+                                         (dense col / grouped row); the scale slot is sized to
+                                         the larger of the two
+physical orientation, both orientations  ``row_data``, ``col_data``, ``row_scale``, ``col_scale``
+=======================================  =====================================================
 
 With uneven dim-0 sharding (``D0 % W != 0``), FSDP2 requires every all-gather input to have the
 padded shard shape ``[S0, *rest]``, so the scale bytes travel packed in ``ceil(scale_bytes /

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
@@ -144,9 +144,10 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         """Op backend of the low-precision GEMMs: ``"none"`` (``bf16``), ``"emulated"`` or ``"npu"``.
 
         Resolved like the GEMM entry points do (``lp_lightning.ops.resolve_backend`` for the
-        policy's format on the model's device): ``"npu"`` only for an NPU device whose capability
-        check passes or when the ``npu`` backend is selected explicitly. The GEMM trace events
-        carry the backend that actually ran each GEMM (``run_summary.json`` ``kernels``).
+        policy's format on the model's device): ``auto`` is ``npu`` on an NPU device (or an error
+        when its capability check fails) and ``emulated`` elsewhere. Printed once at conversion
+        and recorded in ``run_summary.json``; the GEMM trace events carry the backend that
+        actually ran each GEMM (``kernels``).
         """
         if not self.policy.enabled:
             return "none"
@@ -262,11 +263,11 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.replacement_report = report
         self.low_precision_weights = tuple(r.fqn for r in records)
         self._device = next(causal_lm.parameters()).device
-        log.info(
-            "%s\n%d low-precision weights finalized (FP32 masters); op backend: %s",
-            report.format(),
-            len(records),
-            self.backend,  # resolved now: an NPU device whose capability check fails stops here
+        log.info("%s\n%d low-precision weights finalized (FP32 masters)", report.format(), len(records))
+        backend = self.backend  # resolved now: an NPU device whose capability check fails stops here
+        rank_zero_info(
+            f"lp-lightning: {self.mode} on {len(records)} weights, op backend {backend!r} "
+            f"(device {self._device.type}{', exact software emulation' if backend == 'emulated' else ''})."
         )
         return module
 

@@ -45,10 +45,9 @@ Formats are looked up by name in per-format tables (``_KERNELS``, ``REQUIRED_DTY
 fails the capability check. HiF8 quantisation stays on the portable codec (open questions 2 and
 4 of docs/formats.md), every other call goes to torch_npu.
 
-Capability check (:func:`npu_capability_error`): Capability gate for the ``npu`` backend (design spec §15; requirement R11 (docs/design.md)).
-
-``check_npu_capability(format)`` either returns or raises ``LowPrecisionUnsupportedError`` naming
-the first missing piece, in this order:
+Capability check (design spec §15; requirement R11 of docs/design.md): ``check_npu_capability(format)``
+either returns or raises ``LowPrecisionUnsupportedError`` naming the first missing piece, in this
+order (``npu_capability_error`` returns the message instead):
 
 1. ``torch_npu`` is not installed → install it with ``pip install 'lp-lightning[npu]'``.
 2. ``torch_npu`` is too old: the custom dtypes ``torch_npu.float8_e8m0fnu`` (MXFP8 scales) /
@@ -58,8 +57,9 @@ the first missing piece, in this order:
    §3.2). MX-scaled GEMMs and HiF8 × HiF8 GEMMs exist only on the 950 (aclnnQuantMatmulV5.md).
 4. An op the format's backend calls is missing from ``torch_npu`` (list per format below).
 
-Importing this module never imports ``torch_npu``; only calling the gate does. Successful checks
-are cached per ``torch_npu`` module object (weakly), so the hot path costs a dictionary lookup.
+Importing this module never imports ``torch_npu``; only calling the gate or a wrapper does.
+Successful checks are cached per ``torch_npu`` module object (weakly), so the hot path costs a
+dictionary lookup.
 
 Tensor-name legend: ``scale_*b`` our scales (one entry per 32-block), ``npu_scale_*2`` NPU pair
 layout (trailing dim 2), ``P`` pair rows, ``G`` groups, ``C`` columns.

@@ -34,8 +34,7 @@ LOW_PRECISION_WEIGHTS = 21 + 2 * 2
 def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, token_cache_dir, isolated_dist,
                                                                       monkeypatch):
     import lp_lightning.distributed.fsdp as fsdp
-    import lp_lightning.integration.refresh as refresh
-    import lp_lightning.tensor.weight as weight
+    import lp_lightning.integration as integration  # the plugin and the strategy call through the package
     from lp_lightning.lightning.module import DeepSeekV3LM
     from lp_lightning.plan import ModuleReplacementPlan
 
@@ -51,9 +50,9 @@ def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, t
         monkeypatch.setattr(owner, name, wrapped)
 
     spy(ModuleReplacementPlan, "apply", "plan_applied")
-    spy(weight, "finalize_low_precision_weights", "weights_finalized")
+    spy(integration, "finalize_low_precision_weights", "weights_finalized")
     spy(fsdp, "fully_shard", "fully_shard")
-    spy(refresh, "refresh_low_precision_weights", "refresh")
+    spy(integration, "refresh_low_precision_weights", "refresh")
     spy(fsdp, "apply_activation_checkpointing", "activation_checkpoint")
     spy(DeepSeekV3LM, "configure_optimizers", "optimizer")
     plugin = LowPrecisionPlugin("mxfp8")
