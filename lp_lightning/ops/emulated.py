@@ -99,15 +99,14 @@ class EmulatedBackend:
         group_list: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
     ) -> QuantizedOperand:
-        """The quantizer's portable codec (``amax`` passed only when given)."""
-        kwargs = {} if amax is None else {"amax": amax}
-        return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, **kwargs)
+        """The quantizer's portable codec."""
+        return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, amax=amax)
 
     def quantize_dual(
         self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None
     ) -> tuple[QuantizedOperand, QuantizedOperand]:
         """Both orientations from the quantizer's portable codec."""
-        return quantizer.quantize_dual(tensor) if amax is None else quantizer.quantize_dual(tensor, amax=amax)
+        return quantizer.quantize_dual(tensor, amax=amax)
 
     @_no_autocast
     def matmul(

@@ -453,8 +453,7 @@ class NpuBackend:
         """MX formats: ``npu_dynamic_mx_quant`` (``npu_grouped_dynamic_mx_quant`` for grouped col);
         HiF8: the portable codec (module docstring)."""
         if _KERNELS[quantizer.format.name] != "mx":
-            kwargs = {} if amax is None else {"amax": amax}
-            return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, **kwargs)
+            return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, amax=amax)
         if amax is not None:
             raise ValueError(f"npu quantize: {quantizer.format.name} computes block scales; amax must be None.")
         if orientation == "col" and group_list is not None:
@@ -471,7 +470,7 @@ class NpuBackend:
     ) -> tuple[QuantizedOperand, QuantizedOperand]:
         """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call; HiF8: the portable codec."""
         if _KERNELS[quantizer.format.name] != "mx":
-            return quantizer.quantize_dual(tensor) if amax is None else quantizer.quantize_dual(tensor, amax=amax)
+            return quantizer.quantize_dual(tensor, amax=amax)
         if amax is not None:
             raise ValueError(f"npu quantize_dual: {quantizer.format.name} computes block scales; amax must be None.")
         row, col = mx_quantize_dual(tensor)

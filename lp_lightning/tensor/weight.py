@@ -364,11 +364,12 @@ def _quantize_storage(
     declared = storage_spec(spec, kind, tuple(master.shape))
     view = master if kind is WeightKind.DENSE else master.transpose(-1, -2)
     quantizer = weight_quantizer(recipe)
-    kwargs = {} if amax is None else {"amax": amax.to(device=master.device, dtype=torch.float32)}
+    if amax is not None:
+        amax = amax.to(device=master.device, dtype=torch.float32)
     if master.numel() == 0:  # an empty FSDP2 shard: the portable codec keeps the declared schema
-        row, col = quantizer.quantize_dual(view, **kwargs)
+        row, col = quantizer.quantize_dual(view, amax=amax)
     else:
-        row, col = quantize_dual(quantizer, view, **kwargs)
+        row, col = quantize_dual(quantizer, view, amax=amax)
     storage: dict[str, torch.Tensor] = {}
     for operand in (row, col) if spec.physical_orientation else (row,):
         data_name, scale_name = storage_names(spec, operand.orientation)
