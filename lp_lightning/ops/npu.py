@@ -269,14 +269,20 @@ def clear_capability_cache() -> None:
         _passed.clear()
 
 
-def _import_torch_npu() -> ModuleType | None:
+def _import_torch_npu() -> ModuleType | str | None:
+    """``torch_npu``, ``None`` when it is not installed, or the import error's text when it is
+    installed but fails to load (e.g. CANN's libraries not on the path)."""
     module = sys.modules.get("torch_npu")
     if module is not None:
         return module
     try:
         return importlib.import_module("torch_npu")
-    except ImportError:
-        return None
+    except ModuleNotFoundError as exc:
+        if exc.name == "torch_npu":
+            return None
+        return f"{type(exc).__name__}: {exc}"
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def npu_capability_error(format: FormatSpec | str) -> str | None:
@@ -300,6 +306,11 @@ def npu_capability_error(format: FormatSpec | str) -> str | None:
             f"{fmt} on the npu backend needs torch_npu, which is not installed. Install it with "
             f"pip install 'lp-lightning[npu]' (torch_npu {MIN_TORCH_NPU_VERSION} or newer, matching your "
             "torch and CANN), or select the 'emulated' backend."
+        )
+    if isinstance(torch_npu, str):
+        return (
+            f"{fmt} on the npu backend: torch_npu is installed but fails to import ({torch_npu[:120]}); "
+            "source CANN's set_env.sh and check torch/torch_npu versions match."
         )
     with _cache_lock:
         if fmt in _passed.get(torch_npu, ()):

@@ -56,7 +56,7 @@ unused parameter; plain results) are allowed, everything else raises.
 
 FSDP2. torch's FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the sharded
 local tensor. The weight forwards both to the *gather extension* the lifecycle layer installs
-(:func:`set_gather_extension`; ``lp_lightning.integration.fsdp`` does on import), which owns the
+(:func:`set_gather_extension`; ``lp_lightning.integration.gather`` does on import), which owns the
 gather schema, the phase and the unpacking; the weight only keeps the extension's per-weight
 settings (``gather_policy``) and state. A weight gathered without an extension raises.
 
@@ -121,7 +121,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         recipe: The ``LowPrecisionRecipe`` whose WEIGHT quantizer builds the storage.
         kind: ``WeightKind.DENSE`` or ``WeightKind.GROUPED``.
         fqn: Parameter FQN (for messages and probes; ``""`` if unknown).
-        gather_policy: The gather extension's per-weight settings (``lp_lightning.integration.fsdp.GatherPolicy``).
+        gather_policy: The gather extension's per-weight settings (``lp_lightning.integration.GatherPolicy``).
     """
 
     tensor_data_names: ClassVar[tuple[str, ...]] = ("master",)
@@ -208,7 +208,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
             recipe: A ``LowPrecisionRecipe`` or a format name (``"mxfp8_e4m3"``, ``"hif8"``).
             kind: ``"dense"`` or ``"grouped"``.
             fqn: Parameter FQN for messages and probes.
-            gather_policy: The gather extension's settings (``integration.fsdp.GatherPolicy``).
+            gather_policy: The gather extension's settings (``lp_lightning.integration.GatherPolicy``).
             requires_grad: ``requires_grad`` of the wrapper.
 
         Returns:

@@ -5,6 +5,7 @@ equal the emulated backend, the capability gate names what is missing, nothing f
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -294,3 +295,23 @@ def test_a_mis_shaped_npu_result_is_refused(fake_npu, monkeypatch):
     expected = r"returned \(80, 100\) torch.float32, but the contract is \(80, 100\) torch.bfloat16"
     with pytest.raises(RuntimeError, match=expected):
         low_precision_matmul(left, right, layout="NT", output_dtype=BF16, backend="npu")
+
+
+def test_a_torch_npu_that_fails_to_import_is_not_reported_as_missing(monkeypatch):
+    """An installed torch_npu whose import fails (CANN libraries not on the path) names the error and the fix."""
+    import importlib.abc
+
+    class BrokenTorchNpu(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torch_npu":
+                raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")
+            return None
+
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [BrokenTorchNpu(), *sys.meta_path])
+    npu.clear_capability_cache()
+    message = npu.npu_capability_error("hif8")
+    assert "installed but fails to import" in message and "libhccl.so" in message and "set_env.sh" in message
+    assert "not installed" not in message
+    with pytest.raises(LowPrecisionUnsupportedError, match="fails to import"):
+        resolve_backend("hif8", "npu:0")

@@ -8,7 +8,7 @@ npu backend is checked against. Binding numerics (docs/formats.md "Decisions for
   (32×1), what the wgrad GEMM contracts over. A partial last block is padded with zeros
   *logically*: padding never changes a block's amax and is never stored.
 - **Scale (RCEIL).** ``S = fl32(amax / 448)`` and the E8M0 code is ``S`` rounded *up* to a power of
-  two, clamped to ``0..254`` (``lp_lightning.formats.e8m0.rceil_codes`` gives the exact integer form
+  two, clamped to ``0..254`` (``lp_lightning.formats.mxfp8.e8m0.rceil_codes`` gives the exact integer form
   and its proof). All-zero block → code ``0x00`` (2^-127) and zero data. Block holding NaN or ±Inf →
   code ``0xFF`` (NaN) and **every** element byte ``0x7F`` (E4M3 NaN), so NaN never leaks into a
   finite-looking value.
