@@ -18,14 +18,15 @@ recipe                    roles                        quantizer
 Expected quantisation quality (``SQNR_FLOORS_DB``)
 --------------------------------------------------
 
-SQNR = 10·log10(Σ ref² / Σ (q − ref)²) in dB (``lp_lightning.evidence.numerics.sqnr_db``). The
-table at the bottom of this module holds, per quantizer/recipe, input distribution and case, the
-value measured on the reference inputs of ``sqnr_reference_input`` (65 536 samples, seed 0; GEMMs
+SQNR = 10·log10(Σ ref² / Σ (q − ref)²) in dB (``lp_lightning.evidence.numerics.sqnr_db``). Each
+format's ``FormatSpec.sqnr_table`` (``formats/mxfp8/spec.py``, ``formats/hif8/spec.py``; merged for
+the product formats in ``SQNR_FLOORS_DB`` / ``SQNR_MEASURED_DB`` below) holds, per quantizer/recipe,
+input distribution and case, the value measured on the reference inputs of ``sqnr_reference_input`` (65 536 samples, seed 0; GEMMs
 of ``[256, 512] × [512, 384]``) and the floor the tests enforce: the measurement minus 2 dB,
 rounded down to 0.5 dB. Over seeds 0–3 the Gaussian and Student-t values move by < 0.3 dB; the
 ``outliers_bulk`` values by up to 2 dB (they depend on the largest outlier), which the margin covers.
 
-*Derivation (docs/numerics.md §3, §9: a mantissa of m bits has ε = 2^-m, unit roundoff u = ε/2).* With
+*Derivation (docs/numerics.md §2.1, §3, §9: a mantissa of m bits has ε = 2^-m, unit roundoff u = ε/2).* With
 round-to-nearest, a value x = 2^e·μ (μ ∈ [1, 2)) gets an error uniform in ±2^(e−m)/2, of variance
 2^(2e)·ε²/12, independent of μ; its signal power is 2^(2e)·μ². Hence SQNR_m = 10·log10(12/ε²) +
 10·log10(E[μ²]), between 28.9 dB (all μ = 1) and 34.9 dB (μ → 2) for m = 3, and 32.2 dB for μ
