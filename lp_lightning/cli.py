@@ -24,8 +24,9 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
 
 The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
 as instances (``FSDP2Strategy``, ``LowPrecisionPlugin``); setting ``--trainer.strategy``,
-``--trainer.plugins`` or ``--trainer.precision`` is an error. ``trainer.logger: true`` (the
-default) means a ``CSVLogger`` under ``<default_root_dir>/logs``.
+``--trainer.plugins`` or ``--trainer.precision`` fails while parsing (exit status 2), and ``--help``
+marks them REFUSED. ``trainer.logger: true`` (the default) means a ``CSVLogger`` under
+``<default_root_dir>/logs``.
 
 Processes: ``--trainer.devices N`` on CPU starts N processes (Lightning re-launches this command
 for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes instead::
@@ -98,6 +99,22 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 """
 
 _SET_BY_LP_LIGHTNING = {"strategy": "auto", "plugins": None, "precision": None}
+"""Trainer options lp-lightning builds itself (from ``--fsdp_config`` and ``--precision``), with their
+defaults: any other value is refused while parsing (design spec §15)."""
+
+_REFUSED_HELP = "REFUSED by lp-lightning: it builds the {what} from {source}; setting this exits with status 2. "
+
+
+def _refused(trainer: Namespace | dict) -> str | None:
+    """The error for a refused Trainer option that was set, or ``None``."""
+    for key, default in _SET_BY_LP_LIGHTNING.items():
+        value = trainer.get(key, default)
+        if value != default:
+            source = "--precision" if key in ("precision", "plugins") else "--fsdp_config"
+            shown = [getattr(v, "class_path", v) for v in value] if isinstance(value, list) else value
+            shown = getattr(shown, "class_path", shown)  # a class given by path: show the path
+            return f"trainer.{key}={shown!r} cannot be set: lp-lightning builds it from {source}. Remove trainer.{key}."
+    return None
 
 
 class LPLightningCLI(LightningCLI):
@@ -153,6 +170,12 @@ class LPLightningCLI(LightningCLI):
         parser.set_defaults({"checkpoint.every_n_steps": 20})
         parser.add_lightning_class_args(RunSummaryCallback, "run_summary")
         parser.link_arguments("precision", "run_summary.precision")
+        refused = {"trainer.strategy": ("strategy", "--fsdp_config"), "trainer.plugins": ("precision plugin", "--precision"),
+                   "trainer.precision": ("precision plugin", "--precision")}
+        for action in parser._actions:  # mark the Trainer options lp-lightning refuses (see _SET_BY_LP_LIGHTNING)
+            if action.dest in refused:
+                what, source = refused[action.dest]
+                action.help = _REFUSED_HELP.format(what=what, source=source) + (action.help or "")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -173,11 +196,16 @@ class LPLightningCLI(LightningCLI):
                 values = low_precision.as_dict() if isinstance(low_precision, Namespace) else dict(vars(low_precision))
                 config = LowPrecisionConfig.from_dict(values)
                 if config.precision_name.value != section["precision"]:
+                    fix = f"set `precision: {config.precision_name.value}` or remove the low_precision section"
+                    if not config.enabled:  # the section names the run's pair but forgot to switch it on
+                        fix = "set `low_precision.enabled: true`, or remove the low_precision section"
                     raise ValueError(
                         f"low_precision ({config.format}+{config.scaling}, enabled={config.enabled}) selects "
-                        f"--precision {config.precision_name.value}, but precision={section['precision']!r}; "
-                        f"set `precision: {config.precision_name.value}` or remove the low_precision section."
+                        f"--precision {config.precision_name.value}, but precision={section['precision']!r}; {fix}."
                     )
+            refused = _refused(section["trainer"])
+            if refused is not None:
+                raise ValueError(refused)
             if subcommand is not None:
                 _check_launch(section)
         except (TypeError, ValueError) as err:
@@ -191,13 +219,9 @@ class LPLightningCLI(LightningCLI):
             ValueError: ``trainer.strategy``, ``trainer.plugins`` or ``trainer.precision`` is set.
         """
         trainer_config = self._get(self.config_init, "trainer", default={})
-        for key, default in _SET_BY_LP_LIGHTNING.items():
-            if trainer_config.get(key, default) != default:
-                raise ValueError(
-                    f"trainer.{key}={trainer_config[key]!r} cannot be set: lp-lightning builds the "
-                    f"strategy and the precision plugin from --fsdp_config and --precision. Remove "
-                    f"trainer.{key}."
-                )
+        refused = _refused(trainer_config)  # parse_arguments refused these already; kept for direct use
+        if refused is not None:
+            raise ValueError(refused)
         fsdp_config = self._get(self.config_init, "fsdp_config")
         precision = self._get(self.config, "precision")
         kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)

@@ -160,9 +160,45 @@ def test_unsupported_fsdp_config_fails_before_the_model(capsys, no_model_build, 
     assert no_model_build == []
 
 
-def test_trainer_strategy_and_plugins_are_owned_by_lp_lightning():
-    with pytest.raises(ValueError, match=r"trainer.strategy='ddp' cannot be set"):
-        LPLightningCLI(args=["--trainer.strategy", "ddp"], run=False)
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--trainer.strategy", "ddp"], "trainer.strategy='ddp' cannot be set: lp-lightning builds it from --fsdp_config"),
+        (["--trainer.precision", "bf16-mixed"], "trainer.precision='bf16-mixed' cannot be set: lp-lightning builds it "
+                                                "from --precision"),
+        (["--trainer.plugins", "lightning.pytorch.plugins.environments.LightningEnvironment"], "trainer.plugins="),
+    ],
+)
+def test_trainer_strategy_precision_and_plugins_are_refused_while_parsing(capsys, no_model_build, option, message):
+    """Design spec §15: a usage error (exit 2) before anything is built, not a traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *option])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Remove trainer." in err and "Traceback" not in err
+    assert no_model_build == []
+
+
+def test_help_marks_the_refused_trainer_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--help"])
+    assert exc.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    refused = "REFUSED by lp-lightning: it builds the {} from {}; setting this exits with status 2."
+    assert "--trainer.strategy STRATEGY " + refused.format("strategy", "--fsdp_config") in help_text
+    assert "--trainer.precision PRECISION " + refused.format("precision plugin", "--precision") in help_text
+    assert "--trainer.plugins+ PLUGINS " + refused.format("precision plugin", "--precision") in help_text
+    assert help_text.count("REFUSED by lp-lightning") == 3
+
+
+def test_an_enabled_false_low_precision_section_is_told_to_switch_on(capsys, no_model_build):
+    """--precision hif8 with a hif8+current section lacking ``enabled: true`` names that key as the fix."""
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--precision", "hif8", "--low_precision.format", "hif8", "--low_precision.scaling", "current"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "enabled=False" in err and "set `low_precision.enabled: true`" in err and "precision: bf16" not in err
+    assert no_model_build == []
 
 
 def test_cli_builds_strategy_and_plugin_instances(tmp_path):
