@@ -30,7 +30,9 @@ key                          meaning
                              libraries); CUDA/NPU -> ``max_memory_allocated`` of the device
 ``peak_memory_source``       ``"ru_maxrss"`` or ``"max_memory_allocated"``
 ``checkpoints``              checkpoint folders written by this call, in order
-``versions``                 ``torch``, ``lightning``, ``transformers``, ``lp_lightning``, ``python``
+``versions``                 ``lp_lightning``, ``git_commit`` (``-dirty`` with local changes),
+                             ``python``, ``torch``, ``torch_npu``, ``cann``, ``lightning``,
+                             ``transformers`` (design spec §17.1; ``null`` when absent)
 ``global_step``              optimizer steps of the model after this call (includes resumed ones)
 ``first_step``               global step index of the first step of this call (0 unless resumed)
 ``losses`` / ``grad_norms``  per-step training loss / pre-clip gradient norm of this call
@@ -71,7 +73,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import platform
 import resource
 import statistics
 import sys
@@ -87,6 +88,8 @@ from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from lp_lightning.versions import software_versions
 
 __all__ = ["PeriodicCheckpoint", "RunSummaryCallback", "checkpoint_dirname"]
 
@@ -201,21 +204,6 @@ def _peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     # Linux reports ru_maxrss in KiB (macOS in bytes).
     scale = 1 if sys.platform == "darwin" else 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "ru_maxrss"
-
-
-def _versions() -> dict[str, str]:
-    import lightning
-    import transformers
-
-    import lp_lightning
-
-    return {
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "transformers": transformers.__version__,
-        "lp_lightning": lp_lightning.__version__,
-        "python": platform.python_version(),
-    }
 
 
 class RunSummaryCallback(Callback):
@@ -378,7 +366,7 @@ class RunSummaryCallback(Callback):
             "peak_memory_bytes": self._peak[0],
             "peak_memory_source": self._peak[1],
             "checkpoints": checkpoints,
-            "versions": _versions(),
+            "versions": software_versions(),
             "global_step": trainer.global_step,
             "first_step": self._first_step,
             "losses": list(self._losses),

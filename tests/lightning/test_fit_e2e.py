@@ -174,7 +174,11 @@ def test_run_summary_contract(runs):
         assert isinstance(summary[key], kind), (key, summary[key])
     assert summary["precision"] == "bf16" and summary["backend"] == "none"
     assert summary["peak_memory_bytes"] > 0 and summary["tokens_per_s"] > 0
-    assert set(summary["versions"]) == {"torch", "lightning", "transformers", "lp_lightning", "python"}
+    versions = summary["versions"]
+    assert set(versions) == {"lp_lightning", "git_commit", "python", "torch", "torch_npu", "cann", "lightning",
+                             "transformers"}
+    assert versions["torch"] == torch.__version__ and len(versions["git_commit"] or "x" * 40) >= 40
+    assert versions["torch_npu"] is None and versions["cann"] is None  # not installed here
     assert all(Path(p).is_dir() for p in summary["checkpoints"])
     assert (Path(summary["root"]) / "logs" / "version_0" / "metrics.csv").is_file()
 
