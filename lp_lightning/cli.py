@@ -68,6 +68,7 @@ from lp_lightning.distributed.checkpoint import (
     is_dcp_checkpoint,
     verify_dcp_checkpoint,
 )
+from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
@@ -295,12 +296,15 @@ def _check_launch(section: Namespace) -> None:
     Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent), that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
-    launch matches ``trainer.devices`` x ``trainer.num_nodes``.
+    launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
+    has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
 
     Raises:
         ValueError: naming the key, the values and the fix.
     """
     trainer = section["trainer"]
+    if (accelerator_error := npu_accelerator_error(trainer.get("accelerator"))) is not None:
+        raise ValueError(accelerator_error)
     ckpt_path = section.get("ckpt_path")
     if ckpt_path is not None:
         checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")

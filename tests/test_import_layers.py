@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lp_lightning"
 # Longest prefix wins. "format:<name>" layers are the format packages.
 LAYERS: dict[str, str] = {
     "lp_lightning.cli": "cli",
+    "lp_lightning.lightning.accelerator": "accelerator",
     "lp_lightning.lightning": "lightning",
     "lp_lightning.distributed": "distributed",
     "lp_lightning.models.adapter": "model_protocol",
@@ -47,6 +48,8 @@ _GENERIC_LOW_PRECISION = {"formats", "format_registry"} | _CONFIG
 ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is allowed everywhere
     "root": set(),
     "util": set(),
+    # The npu accelerator is Lightning + torch only: a bf16 run imports it and must load nothing low-precision.
+    "accelerator": set(),
     "config": {"format_registry", "root"},
     "format_registry": {"root"},
     "formats": {"config", "format_registry", "root"},

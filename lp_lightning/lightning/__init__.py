@@ -1,6 +1,11 @@
 """Lightning integration: FSDP2 strategy (Trainer + Fabric), precision plugins (bf16 / mxfp8 / hif8),
-the DeepSeek-V3 LightningModule, the pretraining datamodule, the job's callbacks and read-only probes."""
+the ``npu`` accelerator, the DeepSeek-V3 LightningModule, the pretraining datamodule, the job's
+callbacks and read-only probes.
 
+Importing this package registers the ``"npu"`` accelerator with Lightning when torch_npu is
+importable (:func:`~lp_lightning.lightning.accelerator.register_npu_accelerator`)."""
+
+from lp_lightning.lightning.accelerator import NPUAccelerator, NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback, checkpoint_dirname
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM, warmup_cosine_factor
@@ -21,10 +26,15 @@ __all__ = [
     "HighPrecisionGemmProbe",
     "LowPrecisionFabricPlugin",
     "LowPrecisionPlugin",
+    "NPUAccelerator",
+    "NPUFabricAccelerator",
     "PeriodicCheckpoint",
     "PrecisionMode",
     "PretrainDataModule",
     "RunSummaryCallback",
     "checkpoint_dirname",
+    "register_npu_accelerator",
     "warmup_cosine_factor",
 ]
+
+register_npu_accelerator()

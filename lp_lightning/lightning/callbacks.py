@@ -200,7 +200,9 @@ def _peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "max_memory_allocated"
     if device.type == "npu":
-        return int(torch.npu.max_memory_allocated(device)), "max_memory_allocated"  # type: ignore[attr-defined]
+        import torch_npu  # noqa: PLC0415 - an npu device exists only once torch_npu is imported
+
+        return int(torch_npu.npu.max_memory_allocated(device)), "max_memory_allocated"
     # Linux reports ru_maxrss in KiB (macOS in bytes).
     scale = 1 if sys.platform == "darwin" else 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "ru_maxrss"

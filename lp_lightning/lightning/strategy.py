@@ -4,7 +4,8 @@ Both subclass Lightning's ``ModelParallelStrategy`` (2.6) and own the parallelis
 Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``configure_model``:
 
 * process group: gloo on CPU, nccl on CUDA, hccl on NPU (one process = a 1-rank group, so 1- and
-  N-process runs share the code path);
+  N-process runs share the code path); building a strategy registers the ``"npu"`` accelerator
+  when torch_npu is importable (:mod:`lp_lightning.lightning.accelerator`);
 * a 1-D ``("dp_shard",)`` device mesh of ``fsdp_config.dp_shard_size`` ranks (= world size);
 * :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of design spec §12.1: the
   precision plugin's ``configure_sharding`` and ``convert_module`` (replacement plan compiled on a
@@ -78,6 +79,7 @@ from lp_lightning.distributed.fsdp import (
     parallelize_causal_lm,
     process_group_backend_for,
 )
+from lp_lightning.lightning.accelerator import register_npu_accelerator
 from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
 
 __all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
@@ -137,6 +139,7 @@ class _FSDP2Common:
             raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
         self.fsdp_config = fsdp_config or FSDP2Config()
         self.parallelization = None
+        register_npu_accelerator()  # before the Trainer/Fabric resolves accelerator="npu" (late torch_npu)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

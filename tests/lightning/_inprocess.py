@@ -29,30 +29,33 @@ def fit_tiny(
     callbacks: list[pl.Callback] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[pl.Trainer, DeepSeekV3LM, dict[str, Any]]:
-    """Trains dsv3-tiny for ``max_steps`` in this process; returns trainer, module, run summary."""
+    """Trains dsv3-tiny for ``max_steps`` in this process; returns trainer, module, run summary.
+
+    ``trainer_kwargs`` add to or replace the Trainer arguments below (e.g. ``accelerator``, ``logger``).
+    """
     module = DeepSeekV3LM(
         activation_checkpoint=activation_checkpoint, warmup_steps=1, lr_decay_steps=max(2, max_steps)
     )
     summary = RunSummaryCallback(path=str(root / "run_summary.json"))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=FSDP2Strategy(fsdp_config),
-        plugins=[plugin or LowPrecisionPlugin("bf16")],
-        max_steps=max_steps,
-        accumulate_grad_batches=accumulate_grad_batches,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        deterministic=True,
-        default_root_dir=str(root),
-        callbacks=[summary, *(callbacks or [])],
-        **trainer_kwargs,
-    )
+    arguments: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "strategy": FSDP2Strategy(fsdp_config),
+        "plugins": [plugin or LowPrecisionPlugin("bf16")],
+        "max_steps": max_steps,
+        "accumulate_grad_batches": accumulate_grad_batches,
+        "use_distributed_sampler": False,
+        "num_sanity_val_steps": 0,
+        "limit_val_batches": 0,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+        "deterministic": True,
+        "default_root_dir": str(root),
+        "callbacks": [summary, *(callbacks or [])],
+    }
+    trainer = pl.Trainer(**{**arguments, **trainer_kwargs})
     trainer.fit(module, datamodule=datamodule)
     assert summary.summary is not None
     return trainer, module, summary.summary
