@@ -11,6 +11,10 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   (:class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`); it maps onto
   ``LowPrecisionConfig.from_precision`` (``mxfp8`` = ``mxfp8_e4m3+mx_block``, ``hif8`` =
   ``hif8+current``). An unknown value fails while parsing, naming the choices.
+* ``--backend {auto,emulated,npu}``: the op backend of the low-precision GEMMs, chosen and
+  checked by the startup gate before the model is built (:mod:`lp_lightning.ops.gate`; ``auto`` =
+  ``npu`` on the npu accelerator, ``emulated`` elsewhere). A failing check stops the run with the
+  checks printed and exit status 1.
 * ``--low_precision.*`` (optional; the design spec §4.2 ``low_precision:`` YAML section):
   :class:`~lp_lightning.policy.LowPrecisionConfig`. It states the same choice long-hand; an illegal
   ``format``/``scaling`` pair, or a section that disagrees with ``--precision``, fails while
@@ -72,7 +76,7 @@ from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
-from lp_lightning.lightning.precision import LowPrecisionPlugin, PrecisionMode
+from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.policy import LowPrecisionConfig
@@ -161,6 +165,15 @@ class LPLightningCLI(LightningCLI):
             ),
         )
         parser.add_argument(
+            "--backend",
+            type=BackendChoice,
+            default="auto",
+            help=(
+                "Op backend of the low-precision GEMMs, chosen and checked by the startup gate (design spec §15): "
+                "auto (npu on the npu accelerator, else emulated), emulated (exact software emulation) or npu."
+            ),
+        )
+        parser.add_argument(
             "--low_precision",
             type=Optional[LowPrecisionConfig],
             default=None,
@@ -226,7 +239,7 @@ class LPLightningCLI(LightningCLI):
         fsdp_config = self._get(self.config_init, "fsdp_config")
         precision = self._get(self.config, "precision")
         kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)
-        kwargs["plugins"] = [LowPrecisionPlugin(precision)]
+        kwargs["plugins"] = [LowPrecisionPlugin(precision, backend=self._get(self.config, "backend"))]
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
         # The step bar replaces Lightning's epoch bar (which reads "Epoch 0/-2" with max_steps), unless
@@ -371,6 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return validate_model_main(args[1:])
     try:
         LPLightningCLI(args=None if argv is None else args)
+    except RuntimeError as err:
+        gate_error = sys.modules.get("lp_lightning.ops.gate")  # imported by the gate itself (bf16: never)
+        if gate_error is None or not isinstance(err, gate_error.StartupGateError):
+            raise
+        if _is_rank_zero():  # design spec §15: the checks were printed above; one line, no traceback
+            print(f"lp-lightning: {err}", file=sys.stderr)
+        return 1
     except SIGTERMException:
         # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
         # PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.

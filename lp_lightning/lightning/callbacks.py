@@ -14,6 +14,10 @@ key                          meaning
 ``backend``                  op backend of the low-precision GEMMs: ``"none"`` for ``bf16`` (no
                              such GEMM runs), ``"emulated"`` (CPU and any device without a
                              hardware kernel) or ``"npu"`` (torch_npu quant MM/GMM)
+``startup_gate``             the design spec §15 startup gate (``lp_lightning.ops.gate``):
+                             ``requested`` / ``backend`` / ``device_type`` / ``format`` / ``ok``
+                             and ``checks`` (``[{"name", "seen", "ok", "message"}]``); ``null``
+                             in ``bf16`` off the npu accelerator (nothing to check)
 ``world_size``               number of processes (= FSDP2 ``dp_shard`` mesh size)
 ``steps``                    optimizer steps run by this ``fit`` call
 ``tokens``                   tokens trained by this ``fit`` call, summed over ranks
@@ -343,6 +347,11 @@ class RunSummaryCallback(Callback):
         backend = getattr(plugin, "backend", None) or "none"
         return precision, backend
 
+    @staticmethod
+    def _startup_gate(trainer: pl.Trainer) -> dict[str, Any] | None:
+        result = getattr(trainer.precision_plugin, "gate_result", None)
+        return None if result is None else result.as_dict()
+
     def build_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The summary dict of the finished ``fit`` call (see the module docstring)."""
         precision, backend = self._precision_and_backend(trainer)
@@ -357,6 +366,7 @@ class RunSummaryCallback(Callback):
         return {
             "precision": precision,
             "backend": backend,
+            "startup_gate": self._startup_gate(trainer),
             "world_size": trainer.world_size,
             "steps": steps,
             "tokens": tokens,

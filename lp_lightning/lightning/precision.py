@@ -62,9 +62,17 @@ from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, Precisio
 
 if TYPE_CHECKING:
     from lp_lightning.models.adapter import ModelAdapter
+    from lp_lightning.ops.gate import StartupGateResult
     from lp_lightning.plan import ReplacementReport, ReplacementRule
 
-__all__ = ["SUPPORTED_PRECISIONS", "LowPrecisionFabricPlugin", "LowPrecisionPlugin", "PrecisionMode"]
+__all__ = [
+    "BACKEND_CHOICES",
+    "SUPPORTED_PRECISIONS",
+    "BackendChoice",
+    "LowPrecisionFabricPlugin",
+    "LowPrecisionPlugin",
+    "PrecisionMode",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,13 @@ PrecisionMode = Literal["bf16", "mxfp8", "hif8"]
 
 SUPPORTED_PRECISIONS: tuple[str, ...] = tuple(p.value for p in PrecisionName)
 """Runtime form of :data:`PrecisionMode`: ``("bf16", "mxfp8", "hif8")``."""
+
+BackendChoice = Literal["auto", "emulated", "npu"]
+"""Values of ``--backend`` (``lp_lightning.ops.gate``: ``auto`` = ``npu`` on the npu accelerator, else
+``emulated``)."""
+
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "emulated", "npu")
+"""Runtime form of :data:`BackendChoice` (tested equal to ``"auto"`` + the registered op backends)."""
 
 
 class LowPrecisionFabricPlugin(FabricPrecision):
@@ -87,6 +102,9 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             (``mxfp8_e4m3`` + ``mx_block``) or ``"hif8"`` (``hif8`` + ``current``).
         skip_nonfinite_steps: Skip ``optimizer.step()`` (and the refresh) when the total gradient
             norm is NaN/Inf; see the module docstring. ``False`` steps unconditionally.
+        backend: The op backend of the low-precision GEMMs: ``"auto"`` (``npu`` on the npu
+            accelerator, ``emulated`` elsewhere), ``"emulated"`` or ``"npu"``; chosen and checked by
+            the startup gate (:meth:`startup_gate`, ``lp_lightning.ops.gate``). Unused in ``bf16``.
         plan_rules: Replacement rules (``lp_lightning.plan.ReplacementRule``) or the path of a
             ``plan_overrides`` YAML (``configs/plan_deepseek_v3.yaml``); ``None`` uses the model
             adapter's ``default_replacement_rules`` of the model's config
@@ -115,8 +133,11 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         precision: PrecisionMode = "bf16",
         *,
         skip_nonfinite_steps: bool = True,
+        backend: BackendChoice = "auto",
         plan_rules: Sequence[ReplacementRule] | str | None = None,
     ) -> None:
+        if backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={backend!r} is not an op backend; choose one of {list(BACKEND_CHOICES)}.")
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(
                 f"precision={precision!r} is not supported; choose one of {list(SUPPORTED_PRECISIONS)} "
@@ -128,6 +149,10 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.low_precision_config: LowPrecisionConfig = LowPrecisionConfig.from_precision(precision)
         self.policy: LowPrecisionPolicy = self.low_precision_config.to_policy()
         self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.requested_backend: str = backend
+        self.gate_result: StartupGateResult | None = None
+        self._gate_done = False
+        self._backend_before_gate: str | None = None
         self.plan_rules = plan_rules
         self.optimizer_steps_applied: int = 0
         self.optimizer_steps_skipped: int = 0
@@ -143,17 +168,72 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def backend(self) -> str:
         """Op backend of the low-precision GEMMs: ``"none"`` (``bf16``), ``"emulated"`` or ``"npu"``.
 
-        Resolved like the GEMM entry points do (``lp_lightning.ops.resolve_backend`` for the
-        policy's format on the model's device): ``auto`` is ``npu`` on an NPU device (or an error
-        when its capability check fails) and ``emulated`` elsewhere. Printed once at conversion
-        and recorded in ``run_summary.json``; the GEMM trace events carry the backend that
-        actually ran each GEMM (``kernels``).
+        The startup gate's choice once it ran (:meth:`startup_gate`); before that (a plugin used
+        without the FSDP2 strategies) resolved like the GEMM entry points do
+        (``lp_lightning.ops.resolve_backend`` for the policy's format on the model's device).
+        Printed at startup and conversion and recorded in ``run_summary.json``; the GEMM trace
+        events carry the backend that actually ran each GEMM (``kernels``).
         """
         if not self.policy.enabled:
             return "none"
+        if self.gate_result is not None:
+            return self.gate_result.backend
         from lp_lightning.ops import resolve_backend
 
-        return resolve_backend(self.policy.format, self._device or torch.device("cpu"))
+        return resolve_backend(
+            self.policy.format, self._device or torch.device("cpu"), None if self.requested_backend == "auto"
+            else self.requested_backend,
+        )
+
+    def startup_gate(self, device_type: str) -> StartupGateResult | None:
+        """Run the startup gate once, before the model is built (design spec §15 rows 1–3).
+
+        Chooses the op backend (``backend``, ``lp_lightning.ops.gate``), runs its checks, prints the
+        result (rank zero) and selects the backend for this process until :meth:`teardown`. The
+        strategies call it first thing in ``setup_environment``.
+
+        Args:
+            device_type: The accelerator's device type (``"npu"`` for the npu accelerator).
+
+        Returns:
+            The gate's result (kept in :attr:`gate_result`); ``None`` in ``bf16`` off the npu
+            accelerator, where no check applies.
+
+        Raises:
+            lp_lightning.ops.gate.StartupGateError: a check failed (printed first, with every check).
+        """
+        if self._gate_done:
+            return self.gate_result
+        if not self.policy.enabled and device_type != "npu":  # bf16 off NPU: no check applies, nothing imported
+            self._gate_done = True
+            return None
+        from lp_lightning.ops import get_backend, set_backend
+        from lp_lightning.ops.gate import StartupGateError, run_startup_gate
+
+        try:
+            result = run_startup_gate(
+                self.policy.format if self.policy.enabled else None, device_type=device_type,
+                backend=self.requested_backend,
+            )
+        except StartupGateError as err:
+            rank_zero_warn(err.result.describe())
+            raise
+        rank_zero_info(result.describe())
+        if self.policy.enabled:
+            self._backend_before_gate = get_backend()
+            set_backend(result.backend)
+        self.gate_result, self._gate_done = result, True
+        return result
+
+    @override
+    def teardown(self) -> None:
+        """Restores the process's op backend selection of before :meth:`startup_gate`."""
+        if self._backend_before_gate is not None:
+            from lp_lightning.ops import set_backend
+
+            set_backend(self._backend_before_gate)
+            self._backend_before_gate = None
+        super().teardown()
 
     def fsdp_mixed_precision_policy(self) -> MixedPrecisionPolicy:
         """The FSDP2 policy the strategy shards with.

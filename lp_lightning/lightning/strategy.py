@@ -79,7 +79,7 @@ from lp_lightning.distributed.fsdp import (
     parallelize_causal_lm,
     process_group_backend_for,
 )
-from lp_lightning.lightning.accelerator import register_npu_accelerator
+from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
 
 __all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
@@ -174,6 +174,13 @@ class _FSDP2Common:
                 f"The full list is in run_summary.json under sharding.replicated_low_precision."
             )
 
+    def _startup_gate(self) -> None:
+        """The design spec §15 startup gate (hardware, torch_npu, ops; ``lp_lightning.ops.gate``), once,
+        before the process group and the model exist. The npu accelerator counts as ``npu`` also when
+        a test maps its devices to CPU memory."""
+        npu = isinstance(self.accelerator, NPUFabricAccelerator)  # type: ignore[attr-defined]
+        self.low_precision_plugin.startup_gate("npu" if npu else self.root_device.type)  # type: ignore[attr-defined]
+
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or process_group_backend_for(self.root_device.type)  # type: ignore[attr-defined]
 
@@ -214,13 +221,14 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Checks the plugin, starts the process group and builds the ``("dp_shard",)`` mesh.
+        """Checks the plugin, runs the startup gate, starts the process group, builds the ``("dp_shard",)`` mesh.
 
         Raises:
             TypeError: The precision plugin is not :class:`LowPrecisionPlugin`.
+            lp_lightning.ops.gate.StartupGateError: A startup-gate check failed (design spec §15).
             ValueError: ``fsdp_config.dp_shard_size`` differs from the world size.
         """
-        self.low_precision_plugin  # noqa: B018 - fail before any process group exists
+        self._startup_gate()  # checks the plugin too: fails before any process group exists
         self._setup_distributed()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._build_dp_shard_mesh()
@@ -392,8 +400,9 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Checks the plugin, starts the process group and builds the ``("dp_shard",)`` mesh."""
+        """Checks the plugin, runs the startup gate, starts the process group, builds the ``("dp_shard",)`` mesh."""
         plugin = self.low_precision_plugin  # fail before any process group exists
+        self._startup_gate()
         # Fabric converts in setup_module, after launch: the plugin learns the sharding now.
         plugin.configure_sharding(
             reshard_after_forward=self.fsdp_config.reshard_after_forward,

@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import importlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,10 +39,13 @@ __all__ = [
     "AUTO",
     "Backend",
     "BackendName",
+    "GateCheck",
     "LowPrecisionUnsupportedError",
+    "backend_for_device_type",
     "backend_names",
     "get_backend",
     "get_backend_impl",
+    "parse_backend_name",
     "register_backend",
     "resolve_backend",
     "set_backend",
@@ -62,6 +65,23 @@ class LowPrecisionUnsupportedError(RuntimeError):
     """
 
 
+@dataclass(frozen=True)
+class GateCheck:
+    """One check of a backend's startup checks (design spec §15), in the order they ran.
+
+    Attributes:
+        name: What was checked (``"torch_npu version"``, ``"SoC Ascend950"``, ``"op npu_quant_matmul"``).
+        seen: The value found here (a version, a device name, ``"present"``, ``"missing"``).
+        ok: Whether the check passed.
+        message: For a failed check, what is wrong and the fix; ``None`` when it passed.
+    """
+
+    name: str
+    seen: str
+    ok: bool
+    message: str | None = None
+
+
 class Backend(Protocol):
     """What a backend implements. GEMM inputs arrive validated against ``lp_lightning.ops.api``'s contract."""
 
@@ -69,6 +89,11 @@ class Backend(Protocol):
 
     def capability_error(self, format: FormatSpec) -> str | None:
         """Why this backend cannot run ``format`` here (message with the fix), or ``None``."""
+        ...
+
+    def startup_checks(self, format: FormatSpec | None) -> Sequence[GateCheck]:
+        """The startup gate's checks for ``format`` (``None``: the format-independent hardware
+        checks of a backend registered for a device type), in order (``lp_lightning.ops.gate``)."""
         ...
 
     def quantize(
@@ -145,11 +170,26 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def _parse_backend(name: object, who: str) -> str:
+def parse_backend_name(name: object, who: str) -> str:
+    """``name`` if it is ``"auto"`` or a registered backend.
+
+    Args:
+        name: The value to check.
+        who: The caller or config key, named in the error.
+
+    Raises:
+        ValueError: naming the legal values.
+    """
     if name != AUTO and name not in _REGISTRY:
         legal = ", ".join(repr(n) for n in (AUTO, *_REGISTRY))
         raise ValueError(f"{who}: backend={name!r}; legal values: {legal}.")
     return name  # type: ignore[return-value]
+
+
+def backend_for_device_type(device_type: str) -> str | None:
+    """The backend registered for ``device_type`` (``"npu"`` for ``"npu"``), or ``None``."""
+    owners = [n for n, r in _REGISTRY.items() if r.device_type == device_type]
+    return owners[0] if owners else None
 
 
 def get_backend_impl(name: str) -> Backend:
@@ -160,7 +200,7 @@ def get_backend_impl(name: str) -> Backend:
     """
     backend = _LOADED.get(name)
     if backend is None:
-        module_name, _, attribute = _REGISTRY[_parse_backend(name, "get_backend_impl")].location.partition(":")
+        module_name, _, attribute = _REGISTRY[parse_backend_name(name, "get_backend_impl")].location.partition(":")
         backend = getattr(importlib.import_module(module_name), attribute)
         with _LOCK:
             backend = _LOADED.setdefault(name, backend)
@@ -182,7 +222,7 @@ def set_backend(name: BackendName) -> None:
         ValueError: for an unknown name.
     """
     global _global_backend
-    _global_backend = _parse_backend(name, "set_backend")
+    _global_backend = parse_backend_name(name, "set_backend")
 
 
 def get_backend() -> BackendName:
@@ -198,7 +238,7 @@ def use_backend(name: BackendName) -> Iterator[BackendName]:
     Raises:
         ValueError: for an unknown name.
     """
-    token = _scoped_backend.set(_parse_backend(name, "use_backend"))
+    token = _scoped_backend.set(parse_backend_name(name, "use_backend"))
     try:
         yield name
     finally:
@@ -221,11 +261,10 @@ def resolve_backend(format: FormatSpec | str, device: torch.device | str, backen
         LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
     """
     spec = as_spec(format)
-    name = get_backend() if backend is None else _parse_backend(backend, "backend")
+    name = get_backend() if backend is None else parse_backend_name(backend, "backend")
     if name == AUTO:
         device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-        owners = [n for n, r in _REGISTRY.items() if r.device_type == device_type]
-        name = owners[0] if owners else "emulated"
+        name = backend_for_device_type(device_type) or "emulated"
     message = get_backend_impl(name).capability_error(spec)
     if message is not None:
         raise LowPrecisionUnsupportedError(message)

@@ -37,6 +37,7 @@ import torch
 from lp_lightning.formats.operand import QuantizedOperand
 from lp_lightning.formats.quantizer import Quantizer
 from lp_lightning.formats.spec import FormatSpec, Orientation
+from lp_lightning.ops.backend import GateCheck
 
 __all__ = ["BACKEND", "EmulatedBackend", "group_counts"]
 
@@ -89,6 +90,12 @@ class EmulatedBackend:
     def capability_error(self, format: FormatSpec) -> None:
         """Always ``None``: the emulation runs every registered format on every torch device."""
         return None
+
+    def startup_checks(self, format: FormatSpec | None) -> tuple[GateCheck, ...]:
+        """One passing check: the exact software emulation of ``format`` (nothing for ``None``)."""
+        if format is None:
+            return ()
+        return (GateCheck(f"emulated {format.name} kernels", "exact software emulation, FP32 accumulation", True),)
 
     def quantize(
         self,
