@@ -20,8 +20,9 @@ grouped (both)      ``npu_grouped_matmul([x], [weight], scale=[...], per_token_s
                     ``scale_dtype/per_token_scale_dtype=float8_e8m0fnu`` (MXFP8) or
                     ``x_dtype/weight_dtype=hifloat8`` (HiF8)
 MXFP8 quantize      ``npu_dynamic_mx_quant(x, axis=-1|-2, dst_type=torch.float8_e4m3fn,
-                    scale_alg=1)`` (RCEIL), ``npu_dynamic_mx_quant_with_dual_axis``,
-                    ``npu_grouped_dynamic_mx_quant`` (wgrad col operands)
+                    scale_alg=1)`` (RCEIL), ``npu_dynamic_mx_quant_with_dual_axis`` (FP16/BF16
+                    only, per its docs: an FP32 master gets one single-axis call per axis),
+                    ``npu_grouped_dynamic_mx_quant`` (wgrad col operands, FP16/BF16 only)
 ==================  ====================================================================
 
 A transposed operand is passed as a transposed *view* (``t.transpose(-2, -1)``), never a copy,
@@ -112,6 +113,7 @@ __all__ = [
     "mx_scale_to_npu",
 ]
 
+_DUAL_AXIS_INPUTS = (torch.bfloat16, torch.float16)  # npu_dynamic_mx_quant_with_dual_axis's input dtypes
 _SCALE_ALG_RCEIL = 1  # npu_dynamic_mx_quant scale_alg=1: S = amax / 448 with exponent rounded up (RCEIL)
 _MX_GROUP_SIZES = [1, 1, MX_BLOCK_SIZE]  # [gm, gn, gk] of QuantMatmulV5 MX mode
 _GROUP_LIST_COUNTS = 1  # npu_grouped_matmul group_list_type=1: per-group counts
@@ -252,11 +254,15 @@ def mx_quantize(x: torch.Tensor, *, orientation: Orientation) -> tuple[torch.Ten
     """MXFP8 quantize with ``npu_dynamic_mx_quant`` (RCEIL); scale returned in our layout.
 
     Args:
-        x: bfloat16/float16 (or float32) tensor, ≥ 1-D (row) or ≥ 2-D (col).
+        x: bfloat16/float16/float32 tensor, ≥ 1-D (row) or ≥ 2-D (col); float32 needs the quantised
+            axis ≥ 32 long (the op's docs).
         orientation: ``"row"`` (``axis=-1``) or ``"col"`` (``axis=-2``).
 
     Returns:
         ``(data float8_e4m3fn, scale float8_e8m0fnu)`` in the layouts of ``lp_lightning.formats.mxfp8``.
+
+    Raises:
+        RuntimeError: from torch_npu, for an input the op refuses (propagated unchanged).
     """
     torch_npu = _torch_npu()
     axis = -1 if orientation == "row" else -2
@@ -273,7 +279,7 @@ def mx_quantize_dual(
     """Row and col MXFP8 in one ``npu_dynamic_mx_quant_with_dual_axis`` call (RCEIL).
 
     Args:
-        x: ≥ 2-D bfloat16/float16 (or float32) tensor.
+        x: ≥ 2-D bfloat16/float16 tensor (the op takes no float32).
 
     Returns:
         ``((row_data, row_scale), (col_data, col_scale))`` in our layouts (the op returns the
@@ -292,7 +298,7 @@ def mx_quantize_grouped_col(x_TC: torch.Tensor, group_list: torch.Tensor) -> tup
     """Grouped col MXFP8 with ``npu_grouped_dynamic_mx_quant`` (blocks stop at group ends; RCEIL).
 
     Args:
-        x_TC: 2-D token-sorted tensor.
+        x_TC: 2-D token-sorted bfloat16/float16 tensor (the op takes no float32).
         group_list: ``int64 [G]`` row counts (passed to the op as ``int32`` cumulative ends).
 
     Returns:
@@ -356,12 +362,17 @@ class NpuBackend:
     def quantize_dual(
         self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None
     ) -> tuple[QuantizedOperand, QuantizedOperand]:
-        """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call; HiF8: the portable codec."""
+        """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call for FP16/BF16, one
+        ``npu_dynamic_mx_quant`` call per axis for an FP32 tensor (the dual-axis op takes no FP32, and
+        a cast to BF16 first would round twice); HiF8: the portable codec."""
         if _KERNELS[quantizer.format.name] != "mx":
             return quantizer.quantize_dual(tensor, amax=amax)
         if amax is not None:
             raise ValueError(f"npu quantize_dual: {quantizer.format.name} computes block scales; amax must be None.")
-        row, col = mx_quantize_dual(tensor)
+        if tensor.dtype in _DUAL_AXIS_INPUTS:
+            row, col = mx_quantize_dual(tensor)
+        else:
+            row, col = mx_quantize(tensor, orientation="row"), mx_quantize(tensor, orientation="col")
         make = lambda pair, o: QuantizedOperand(  # noqa: E731
             data=pair[0], scale=pair[1], logical_dtype=tensor.dtype, format=quantizer.format, orientation=o
         )

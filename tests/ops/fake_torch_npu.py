@@ -14,7 +14,8 @@ capability gate reads. Each op:
 2. reads its ``int`` dtype arguments as the real op receives them (the dispatcher turns a
    ``torch.dtype`` into its ScalarType id, ``SCALAR_TYPE_IDS``) and checks the argument values the
    fake understands (anything else raises ``NotImplementedError``, so the backend cannot silently
-   pass something the fake does not model);
+   pass something the fake does not model); an input dtype the op's docs do not allow raises
+   ``RuntimeError``, as the real op refuses it;
 3. answers through lp-lightning's *emulated* backend: the NPU scale layout is read back with the
    documented index rule ``scale_for_block[b] = npu_scale[..., b // 2, ..., b % 2]`` (written here
    independently of ``lp_lightning.ops.npu``'s converters), the padding codes are checked to be 0,
@@ -106,6 +107,12 @@ def dtype_id(value: Any, name: str) -> int | None:
     if isinstance(value, torch.dtype) and value in SCALAR_TYPE_IDS:
         return SCALAR_TYPE_IDS[value]
     raise TypeError(f"fake torch_npu: {name}={value!r} is neither an int nor a torch.dtype it models")
+
+
+def _check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """The input dtypes an MX quant op's docs allow; the real op refuses others (modelled as RuntimeError)."""
+    if x.dtype not in dtypes:
+        raise RuntimeError(f"fake torch_npu: {op} takes input of {dtypes} (its docs), got {x.dtype}")
 
 
 def _output_dtype(value: Any) -> torch.dtype:
@@ -408,12 +415,17 @@ class FakeTorchNpu(types.ModuleType):
         self._check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max)
         if axis not in (-1, -2) or block_size != BLOCK or max_low_bound:
             raise NotImplementedError("fake torch_npu: axis -1/-2, block_size 32 and max_low_bound 0 only")
+        _check_input("npu_dynamic_mx_quant", input, (torch.float16, torch.bfloat16, torch.float32))
+        if input.dtype == torch.float32 and input.shape[axis] < BLOCK:
+            raise RuntimeError(f"fake torch_npu: npu_dynamic_mx_quant: float32 input needs axis {axis} >= 32 long "
+                               f"(its docs), got shape {tuple(input.shape)}")
         data, scale = mxfp8.quantize(input, orientation="row" if axis == -1 else "col")
         return data, pairs_along(scale.view(torch.uint8), axis)
 
     def _npu_dynamic_mx_quant_with_dual_axis(self, input, *, round_mode="rint", dst_type=296, scale_alg=0,
                                              dst_type_max=0.0):
         self._check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max)
+        _check_input("npu_dynamic_mx_quant_with_dual_axis", input, (torch.float16, torch.bfloat16))
         row_data, row_scale = mxfp8.quantize(input, orientation="row")
         col_data, col_scale = mxfp8.quantize(input, orientation="col")
         row_pairs = pairs_along(row_scale.view(torch.uint8), -1)
@@ -425,6 +437,7 @@ class FakeTorchNpu(types.ModuleType):
         self._check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max)
         if group_index.dtype != torch.int32 or blocksize != BLOCK:
             raise NotImplementedError("fake torch_npu: group_index int32 cumulative ends, blocksize 32")
+        _check_input("npu_grouped_dynamic_mx_quant", x, (torch.float16, torch.bfloat16))
         ends = group_index.to(torch.int64)
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
         data, scale = mxfp8.quantize_grouped(x, counts, orientation="col")

@@ -227,6 +227,23 @@ def test_mx_quantize_on_the_npu_backend(fake_npu):
         _same_operand(grouped, MX.quantize(x, orientation="col", group_list=group_list))
 
 
+def test_an_fp32_master_is_dual_quantized_per_axis_without_a_cast(fake_npu):
+    """npu_dynamic_mx_quant_with_dual_axis takes FP16/BF16 only (its 2.13.0 docs); a BF16 cast would round twice."""
+    w = torch.randn(2, N, K)  # e.g. a stacked FP32 master
+    with use_backend("npu"):
+        row, col = quantize_dual(MX, w)
+    quant = {"input": spec(F32, (2, N, K)), "dst_type": E4M3, "scale_alg": 1}
+    assert fake_npu.calls == [CallRecord("npu_dynamic_mx_quant", {**quant, "axis": axis}) for axis in (-1, -2)]
+    _same_operand(row, MX.quantize(w, orientation="row"))
+    _same_operand(col, MX.quantize(w, orientation="col"))
+
+
+def test_an_input_dtype_the_op_refuses_propagates(fake_npu):
+    """npu_grouped_dynamic_mx_quant takes FP16/BF16 only: an FP32 activation is the op's error, not a fallback."""
+    with use_backend("npu"), pytest.raises(RuntimeError, match="npu_grouped_dynamic_mx_quant takes input of"):
+        quantize(MX, torch.randn(T, K), orientation="col", group_list=torch.tensor(COUNTS))
+
+
 def test_hif8_quantize_stays_on_the_portable_codec_on_the_npu_backend(fake_npu):
     """HiF8 has no bit-exact torch_npu quantize op (lp_lightning.ops.npu docstring): no call is made."""
     x, w = torch.randn(M, K, dtype=BF16), torch.randn(N, K)
