@@ -1,4 +1,4 @@
-"""The ``npu`` backend: thin wrappers over torch_npu's quantize / quant-MM / quant-GMM ops, and its capability check.
+"""The ``npu`` backend: thin wrappers over torch_npu's quantize / quant-MM / quant-GMM ops (design spec §13.4).
 
 Nothing here imports ``torch_npu`` at module level; each wrapper imports it when called (so only
 selecting and using this backend loads it). Every argument the wrappers pass is explicit, so the
@@ -20,8 +20,9 @@ grouped (both)      ``npu_grouped_matmul([x], [weight], scale=[...], per_token_s
                     ``scale_dtype/per_token_scale_dtype=float8_e8m0fnu`` (MXFP8) or
                     ``x_dtype/weight_dtype=hifloat8`` (HiF8)
 MXFP8 quantize      ``npu_dynamic_mx_quant(x, axis=-1|-2, dst_type=torch.float8_e4m3fn,
-                    scale_alg=1)`` (RCEIL), ``npu_dynamic_mx_quant_with_dual_axis``,
-                    ``npu_grouped_dynamic_mx_quant`` (wgrad col operands)
+                    scale_alg=1)`` (RCEIL), ``npu_dynamic_mx_quant_with_dual_axis`` (FP16/BF16
+                    only, per its docs: an FP32 master gets one single-axis call per axis),
+                    ``npu_grouped_dynamic_mx_quant`` (wgrad col operands, FP16/BF16 only)
 ==================  ====================================================================
 
 A transposed operand is passed as a transposed *view* (``t.transpose(-2, -1)``), never a copy,
@@ -40,26 +41,29 @@ HiF8 GMM scales follow the torchtitan-npu HiF8 GMM (its low-precision guide): th
 activation scale broadcast to ``[T]`` (``per_token_scale``) and the weight's ``[E]`` scale for
 split-M; for wgrad (split-K) both per-tensor scales broadcast to ``[E]``.
 
-Formats are looked up by name in per-format tables (``_KERNELS``, ``REQUIRED_DTYPES``,
-``REQUIRED_OPS``): the backend declares what it implements; a registered format without an entry
-fails the capability check. HiF8 quantisation stays on the portable codec (open questions 2 and
-4 of docs/formats.md), every other call goes to torch_npu.
+Dtype arguments: the schemas type ``output_dtype``, ``dst_type`` and the ``*_dtype`` arguments as
+``int``; the torch dispatcher turns a ``torch.dtype`` passed there into its ScalarType id
+(``torch.bfloat16`` → 15, ``torch.float8_e4m3fn`` → 24), the ids the op-plugin's maps read
+(``op_plugin/meta/_meta_registrations.py``; the op docs list 24 for ``torch.float8_e4m3fn``), while
+``torch_npu.float8_e8m0fnu`` / ``torch_npu.hifloat8`` are already ints (293, 290). So the wrappers
+pass torch dtypes for data/output types and torch_npu's ints for its custom types.
 
-Capability check (design spec §15; requirement R11 of docs/design.md): ``check_npu_capability(format)``
-either returns or raises ``LowPrecisionUnsupportedError`` naming the first missing piece, in this
-order (``npu_capability_error`` returns the message instead):
+HiF8 quantisation stays on the portable codec (``HiF8Quantizer``), because neither torch_npu quant
+op reproduces the binding HiF8 rule (docs/formats.md "Decisions": FP32 ``scale = amax / format_max``,
+``data = encode(x32 / scale)``) bit for bit (docs/formats.md §3.3, from the ops-nn Ascend 950
+kernels): ``npu_dynamic_quant(quant_mode="pertensor", dst_type=hifloat8, dst_type_max=...)``
+computes its scale as ``max|x| · fl(1 / dst_type_max)``, which differs from ``amax / 15`` /
+``amax / 224`` in the last bit for most amax values, and gives scale 0 for an all-zero tensor;
+``npu_quantize(div_mode=True)`` with our scale divides with the ≤ 1-ulp vector ``Div``, not the
+correctly rounded division, so codes can differ where ``x / scale`` sits next to a HiF8 rounding
+boundary. Every other call goes to torch_npu.
 
-1. ``torch_npu`` is not installed → install it with ``pip install 'lp-lightning[npu]'``.
-2. ``torch_npu`` is too old: the custom dtypes ``torch_npu.float8_e8m0fnu`` (MXFP8 scales) /
-   ``torch_npu.hifloat8`` (HiF8 data) first appear in torch_npu v26.0.0 (docs/formats.md §3.1).
-3. No NPU device is visible, or its SoC is not an Ascend 950 (``torch_npu.npu.get_device_name()``
-   must start with ``"Ascend950"``; any such name maps to ``SocVersion::Ascend950``, docs/formats.md
-   §3.2). MX-scaled GEMMs and HiF8 × HiF8 GEMMs exist only on the 950 (aclnnQuantMatmulV5.md).
-4. An op the format's backend calls is missing from ``torch_npu`` (list per format below).
-
-Importing this module never imports ``torch_npu``; only calling the gate or a wrapper does.
-Successful checks are cached per ``torch_npu`` module object (weakly), so the hot path costs a
-dictionary lookup.
+Formats are looked up by name in per-format tables (``_KERNELS`` here, ``REQUIRED_DTYPES`` and
+``REQUIRED_OPS`` of :mod:`lp_lightning.ops.npu_capability`): the backend declares what it
+implements; a registered format without an entry fails the capability check, whose gate
+(:func:`npu_gate_checks`, :func:`npu_capability_error`, :func:`check_npu_capability`) is
+re-exported here. Importing this module never imports ``torch_npu``; only calling the gate or a
+wrapper does.
 
 Tensor-name legend: ``scale_*b`` our scales (one entry per 32-block), ``npu_scale_*2`` NPU pair
 layout (trailing dim 2), ``P`` pair rows, ``G`` groups, ``C`` columns.
@@ -67,11 +71,7 @@ layout (trailing dim 2), ``P`` pair rows, ``G`` groups, ``C`` columns.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-import threading
-import weakref
 from types import ModuleType
 
 import torch
@@ -79,18 +79,31 @@ import torch
 from lp_lightning.formats.mxfp8 import BLOCK_SIZE as MX_BLOCK_SIZE
 from lp_lightning.formats.operand import QuantizedOperand
 from lp_lightning.formats.quantizer import Quantizer
-from lp_lightning.formats.spec import FormatSpec, Orientation, as_spec
-from lp_lightning.ops.backend import LowPrecisionUnsupportedError
+from lp_lightning.formats.spec import FormatSpec, Orientation
+from lp_lightning.ops.npu_capability import (
+    MIN_TORCH_NPU_VERSION,
+    REQUIRED_DTYPES,
+    REQUIRED_OPS,
+    SOC_PREFIX,
+    GateCheck,
+    check_npu_capability,
+    clear_capability_cache,
+    npu_capability_error,
+    npu_gate_checks,
+)
 
 __all__ = [
     "BACKEND",
     "MIN_TORCH_NPU_VERSION",
     "REQUIRED_DTYPES",
     "REQUIRED_OPS",
+    "SOC_PREFIX",
+    "GateCheck",
     "NpuBackend",
     "check_npu_capability",
     "clear_capability_cache",
     "npu_capability_error",
+    "npu_gate_checks",
     "mx_grouped_scale_from_npu",
     "mx_grouped_scale_to_npu",
     "mx_quantize",
@@ -100,6 +113,7 @@ __all__ = [
     "mx_scale_to_npu",
 ]
 
+_DUAL_AXIS_INPUTS = (torch.bfloat16, torch.float16)  # npu_dynamic_mx_quant_with_dual_axis's input dtypes
 _SCALE_ALG_RCEIL = 1  # npu_dynamic_mx_quant scale_alg=1: S = amax / 448 with exponent rounded up (RCEIL)
 _MX_GROUP_SIZES = [1, 1, MX_BLOCK_SIZE]  # [gm, gn, gk] of QuantMatmulV5 MX mode
 _GROUP_LIST_COUNTS = 1  # npu_grouped_matmul group_list_type=1: per-group counts
@@ -233,153 +247,22 @@ def mx_grouped_scale_from_npu(npu_scale: torch.Tensor, group_list: torch.Tensor)
 
 
 # ------------------------------------------------------------------------------------------------
-# Capability check.
-
-MIN_TORCH_NPU_VERSION = "v26.0.0"
-"""First torch_npu release line with hifloat8 / float8_e8m0fnu and the A5 op signatures (docs/formats.md §3.1)."""
-
-SOC_PREFIX = "Ascend950"
-
-REQUIRED_DTYPES: dict[str, tuple[str, ...]] = {
-    "mxfp8_e4m3": ("float8_e8m0fnu",),
-    "hif8": ("hifloat8",),
-}
-"""``torch_npu`` attributes (custom dtype ids) each format needs."""
-
-REQUIRED_OPS: dict[str, tuple[str, ...]] = {
-    "mxfp8_e4m3": (
-        "npu_dynamic_mx_quant",
-        "npu_dynamic_mx_quant_with_dual_axis",
-        "npu_grouped_dynamic_mx_quant",
-        "npu_quant_matmul",
-        "npu_grouped_matmul",
-    ),
-    "hif8": ("npu_quant_matmul", "npu_grouped_matmul"),
-}
-"""``torch_npu`` ops the npu backend calls per format (design spec §15: quant, dual-axis quant, MM/GMM)."""
-
-
-_cache_lock = threading.Lock()
-_passed: weakref.WeakKeyDictionary[ModuleType, set[str]] = weakref.WeakKeyDictionary()
-
-
-def clear_capability_cache() -> None:
-    """Forget cached successful checks (tests that swap ``torch_npu`` modules call this)."""
-    with _cache_lock:
-        _passed.clear()
-
-
-def _import_torch_npu() -> ModuleType | str | None:
-    """``torch_npu``, ``None`` when it is not installed, or the import error's text when it is
-    installed but fails to load (e.g. CANN's libraries not on the path)."""
-    module = sys.modules.get("torch_npu")
-    if module is not None:
-        return module
-    try:
-        return importlib.import_module("torch_npu")
-    except ModuleNotFoundError as exc:
-        if exc.name == "torch_npu":
-            return None
-        return f"{type(exc).__name__}: {exc}"
-    except ImportError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def npu_capability_error(format: FormatSpec | str) -> str | None:
-    """Why the npu backend cannot run ``format`` here, or None when it can.
-
-    Args:
-        format: A ``FormatSpec`` or a registered format name.
-
-    Returns:
-        A message naming the missing piece and the fix, or None.
-
-    Raises:
-        ValueError: for an unknown format.
-    """
-    fmt = as_spec(format).name
-    if fmt not in REQUIRED_OPS:
-        return f"the npu backend has no kernels for format {fmt!r}; it implements {sorted(REQUIRED_OPS)}."
-    torch_npu = _import_torch_npu()
-    if torch_npu is None:
-        return (
-            f"{fmt} on the npu backend needs torch_npu, which is not installed. Install it with "
-            f"pip install 'lp-lightning[npu]' (torch_npu {MIN_TORCH_NPU_VERSION} or newer, matching your "
-            "torch and CANN), or select the 'emulated' backend."
-        )
-    if isinstance(torch_npu, str):
-        return (
-            f"{fmt} on the npu backend: torch_npu is installed but fails to import ({torch_npu[:120]}); "
-            "source CANN's set_env.sh and check torch/torch_npu versions match."
-        )
-    with _cache_lock:
-        if fmt in _passed.get(torch_npu, ()):
-            return None
-    version = getattr(torch_npu, "__version__", "unknown")
-    missing_dtypes = [name for name in REQUIRED_DTYPES[fmt] if not hasattr(torch_npu, name)]
-    if missing_dtypes:
-        return (
-            f"{fmt} on the npu backend needs torch_npu.{', torch_npu.'.join(missing_dtypes)}, missing from "
-            f"torch_npu {version}: it is too old. Upgrade to torch_npu {MIN_TORCH_NPU_VERSION} or newer "
-            "(pip install -U 'lp-lightning[npu]')."
-        )
-    npu = getattr(torch_npu, "npu", None)
-    try:
-        available = bool(npu.is_available()) if hasattr(npu, "is_available") else False
-        device_name = str(npu.get_device_name()) if available else None
-    except Exception as exc:  # any driver/runtime failure means "no usable device"
-        return (
-            f"{fmt} on the npu backend: torch_npu {version} could not query the NPU "
-            f"({type(exc).__name__}: {exc})."
-        )
-    if device_name is None:
-        return f"{fmt} on the npu backend needs an NPU device; torch_npu.npu.is_available() is False."
-    if not device_name.startswith(SOC_PREFIX):
-        return (
-            f"{fmt} on the npu backend needs an {SOC_PREFIX} (Ascend A5) SoC; "
-            f"torch_npu.npu.get_device_name() is {device_name!r}. MX-scaled and HiF8 GEMMs do not exist on "
-            "this SoC; select the 'emulated' backend."
-        )
-    missing_ops = [name for name in REQUIRED_OPS[fmt] if not callable(getattr(torch_npu, name, None))]
-    if missing_ops:
-        return (
-            f"{fmt} on the npu backend needs torch_npu.{', torch_npu.'.join(missing_ops)}, missing from "
-            f"torch_npu {version}. Upgrade torch_npu (and CANN) to a release that ships them."
-        )
-    with _cache_lock:
-        _passed.setdefault(torch_npu, set()).add(fmt)
-    return None
-
-
-def check_npu_capability(format: FormatSpec | str) -> None:
-    """Raise unless the npu backend can run ``format`` on this machine.
-
-    Args:
-        format: A ``FormatSpec`` or a registered format name.
-
-    Raises:
-        LowPrecisionUnsupportedError: naming the missing piece (torch_npu, its version, the SoC,
-            or an op) and the fix.
-        ValueError: for an unknown format.
-    """
-    message = npu_capability_error(format)
-    if message is not None:
-        raise LowPrecisionUnsupportedError(message)
-
-
-# ------------------------------------------------------------------------------------------------
-# Quantize (MXFP8; see _MX_QUANTIZE below).
+# Quantize (MXFP8).
 
 
 def mx_quantize(x: torch.Tensor, *, orientation: Orientation) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 quantize with ``npu_dynamic_mx_quant`` (RCEIL); scale returned in our layout.
 
     Args:
-        x: bfloat16/float16 (or float32) tensor, ≥ 1-D (row) or ≥ 2-D (col).
+        x: bfloat16/float16/float32 tensor, ≥ 1-D (row) or ≥ 2-D (col); float32 needs the quantised
+            axis ≥ 32 long (the op's docs).
         orientation: ``"row"`` (``axis=-1``) or ``"col"`` (``axis=-2``).
 
     Returns:
         ``(data float8_e4m3fn, scale float8_e8m0fnu)`` in the layouts of ``lp_lightning.formats.mxfp8``.
+
+    Raises:
+        RuntimeError: from torch_npu, for an input the op refuses (propagated unchanged).
     """
     torch_npu = _torch_npu()
     axis = -1 if orientation == "row" else -2
@@ -396,7 +279,7 @@ def mx_quantize_dual(
     """Row and col MXFP8 in one ``npu_dynamic_mx_quant_with_dual_axis`` call (RCEIL).
 
     Args:
-        x: ≥ 2-D bfloat16/float16 (or float32) tensor.
+        x: ≥ 2-D bfloat16/float16 tensor (the op takes no float32).
 
     Returns:
         ``((row_data, row_scale), (col_data, col_scale))`` in our layouts (the op returns the
@@ -415,7 +298,7 @@ def mx_quantize_grouped_col(x_TC: torch.Tensor, group_list: torch.Tensor) -> tup
     """Grouped col MXFP8 with ``npu_grouped_dynamic_mx_quant`` (blocks stop at group ends; RCEIL).
 
     Args:
-        x_TC: 2-D token-sorted tensor.
+        x_TC: 2-D token-sorted bfloat16/float16 tensor (the op takes no float32).
         group_list: ``int64 [G]`` row counts (passed to the op as ``int32`` cumulative ends).
 
     Returns:
@@ -479,12 +362,17 @@ class NpuBackend:
     def quantize_dual(
         self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None
     ) -> tuple[QuantizedOperand, QuantizedOperand]:
-        """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call; HiF8: the portable codec."""
+        """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call for FP16/BF16, one
+        ``npu_dynamic_mx_quant`` call per axis for an FP32 tensor (the dual-axis op takes no FP32, and
+        a cast to BF16 first would round twice); HiF8: the portable codec."""
         if _KERNELS[quantizer.format.name] != "mx":
             return quantizer.quantize_dual(tensor, amax=amax)
         if amax is not None:
             raise ValueError(f"npu quantize_dual: {quantizer.format.name} computes block scales; amax must be None.")
-        row, col = mx_quantize_dual(tensor)
+        if tensor.dtype in _DUAL_AXIS_INPUTS:
+            row, col = mx_quantize_dual(tensor)
+        else:
+            row, col = mx_quantize(tensor, orientation="row"), mx_quantize(tensor, orientation="col")
         make = lambda pair, o: QuantizedOperand(  # noqa: E731
             data=pair[0], scale=pair[1], logical_dtype=tensor.dtype, format=quantizer.format, orientation=o
         )

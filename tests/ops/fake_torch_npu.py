@@ -1,31 +1,44 @@
 """A fake ``torch_npu`` for CPU tests of the npu backend (design spec §16.2: fake operators record calls).
 
-``FakeTorchNpu`` is a module object to install as ``sys.modules["torch_npu"]``. Each op:
+``FakeTorchNpu`` is a module object to install as ``sys.modules["torch_npu"]``. Its ops have the
+real calling convention of torch_npu 2.13.0: each op's Python signature equals the op's schema in
+``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`` of the PyPI wheel (vendored excerpt:
+``data/torch_npu_2.13.0_schemas.txt``; ``test_npu_signatures.py`` checks the two agree), and the op
+object carries that schema at ``op.default._schema`` like a ``torch.ops`` packet, which the
+capability gate reads. Each op:
 
 1. records a ``CallRecord``: the op name and every argument that was passed, tensors reduced to
    ``TensorSpec(dtype, shape, dim_order)`` (``dim_order`` lists dims from the largest stride to
-   the smallest, so a transposed view of a contiguous ``[a, b]`` tensor is ``(1, 0)``);
-2. checks the argument kinds the fake understands (anything else raises ``NotImplementedError``,
-   so the backend cannot silently pass something the fake does not model);
+   the smallest, so a transposed view of a contiguous ``[a, b]`` tensor is ``(1, 0)``), plus the
+   raw arguments (not compared) for replaying the call through the torch dispatcher;
+2. reads its ``int`` dtype arguments as the real op receives them (the dispatcher turns a
+   ``torch.dtype`` into its ScalarType id, ``SCALAR_TYPE_IDS``) and checks the argument values the
+   fake understands (anything else raises ``NotImplementedError``, so the backend cannot silently
+   pass something the fake does not model); an input dtype the op's docs do not allow raises
+   ``RuntimeError``, as the real op refuses it;
 3. answers through lp-lightning's *emulated* backend: the NPU scale layout is read back with the
    documented index rule ``scale_for_block[b] = npu_scale[..., b // 2, ..., b % 2]`` (written here
    independently of ``lp_lightning.ops.npu``'s converters), the padding codes are checked to be 0,
    the operands are rebuilt as ``QuantizedOperand``s and ``EmulatedBackend`` computes the result.
+   MX quant ops return their scales as ``uint8``, as the real ones do (their docs and meta
+   registrations).
 
 The fake's numbers are the emulation's numbers, never a statement about hardware accuracy (design spec
-§16.2). Capability attributes: ``hifloat8 = 290``, ``float8_e8m0fnu = 293`` (docs/formats.md §3.1),
-``npu.is_available()``, ``npu.get_device_name()``; any of them and any op can be left out with
-``missing=`` to test the capability gate.
+§16.2). Capability attributes: ``__version__`` (default ``"2.13.0"``), ``hifloat8 = 290``,
+``float8_e8m0fnu = 293`` (docs/formats.md §3.1), ``npu.is_available()``, ``npu.get_device_name()``;
+any of them and any op can be left out with ``missing=``, and ``schemas=`` replaces op schemas (to
+model an older release).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import types
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +50,76 @@ HIFLOAT8 = 290
 FLOAT8_E8M0FNU = 293
 BLOCK = 32
 MX_MODE = (FLOAT8_E8M0FNU, FLOAT8_E8M0FNU, [1, 1, BLOCK])  # scale_dtype, pertoken_scale_dtype, group_sizes
+
+SCALAR_TYPE_IDS: dict[torch.dtype, int] = {
+    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
+    torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15, torch.float8_e5m2: 23,
+    torch.float8_e4m3fn: 24, torch.float8_e8m0fnu: 44,
+}
+"""c10::ScalarType ids: what an op receives for a ``torch.dtype`` passed to an ``int`` schema
+argument (``test_npu_signatures.py`` checks this table against the dispatcher)."""
+
+OUTPUT_DTYPES = {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
+E4M3_IDS = (24, 292)  # torch.float8_e4m3fn, torch_npu.float8_e4m3fn
+"""Excerpts of ``TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP`` (torch_npu 2.13.0
+``op_plugin/meta/_meta_registrations.py``): the GEMM output dtypes and the E4M3 ``dst_type`` ids."""
+
+DATA = Path(__file__).resolve().parent / "data"
+SCHEMAS_2_13_0 = DATA / "torch_npu_2.13.0_schemas.txt"
+
+
+@dataclass(frozen=True)
+class SchemaExcerpt:
+    """Op schemas vendored from a torch_npu wheel, with the header that says where they come from."""
+
+    version: str
+    wheel: str
+    file: str
+    git_version: str
+    lines: dict[str, str]
+    schemas: dict[str, torch._C.FunctionSchema]
+
+
+def load_schemas(path: Path) -> SchemaExcerpt:
+    """Parse a vendored excerpt: ``# key: value`` header lines, then one schema line per op."""
+    header, lines = {}, {}
+    for raw in path.read_text().splitlines():
+        if raw.startswith("# torch_npu "):
+            header["version"] = raw.removeprefix("# torch_npu ")
+        elif raw.startswith("# "):
+            key, sep, value = raw[2:].partition(": ")
+            if sep:
+                header[key] = value.split(" (")[0]
+        elif raw.strip():
+            lines[raw.split("(", 1)[0]] = raw
+    schemas = {name: torch._C.parse_schema(f"npu::{line}") for name, line in lines.items()}
+    return SchemaExcerpt(header["version"], header["wheel"], header["file"], header["git_version"], lines, schemas)
+
+
+SCHEMAS = load_schemas(SCHEMAS_2_13_0)
+
+
+def dtype_id(value: Any, name: str) -> int | None:
+    """An ``int``-typed dtype argument as the op receives it: an int stays, a ``torch.dtype`` becomes
+    its ScalarType id (the dispatcher's conversion), None stays None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, torch.dtype) and value in SCALAR_TYPE_IDS:
+        return SCALAR_TYPE_IDS[value]
+    raise TypeError(f"fake torch_npu: {name}={value!r} is neither an int nor a torch.dtype it models")
+
+
+def _check_input(op: str, x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    """The input dtypes an MX quant op's docs allow; the real op refuses others (modelled as RuntimeError)."""
+    if x.dtype not in dtypes:
+        raise RuntimeError(f"fake torch_npu: {op} takes input of {dtypes} (its docs), got {x.dtype}")
+
+
+def _output_dtype(value: Any) -> torch.dtype:
+    output = OUTPUT_DTYPES.get(dtype_id(value, "output_dtype"))
+    if output is None:
+        raise NotImplementedError(f"fake torch_npu: output_dtype={value!r}; the GEMMs model float16/bfloat16/float32")
+    return output
 
 
 @dataclass(frozen=True)
@@ -67,10 +150,11 @@ def _normalise(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """One fake op call: its name and the arguments passed (normalised)."""
+    """One fake op call: its name, the arguments passed (normalised) and, not compared, the raw ones."""
 
     name: str
     args: dict[str, Any]
+    raw: tuple[tuple, dict] = field(default=((), {}), compare=False, repr=False)
 
 
 def _is_transposed(t: torch.Tensor) -> bool:
@@ -126,18 +210,26 @@ def _uniform(scale_vec: torch.Tensor, what: str) -> torch.Tensor:
     return scale_vec.reshape(-1)[0].clone()
 
 
-def _recorded(fn: Callable) -> Callable:
-    """Record the op's name and exactly the arguments the caller passed (bound to the schema)."""
-    signature = inspect.signature(fn)
+class FakeOp:
+    """A fake op as torch_npu exposes one: callable, recording, with the real schema at ``.default._schema``.
 
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        passed = {k: _normalise(v) for k, v in bound.arguments.items() if k != "self"}
-        self.calls.append(CallRecord(fn.__name__.lstrip("_"), passed))
-        return fn(self, *args, **kwargs)
+    Attributes:
+        impl: The Python implementation, whose signature mirrors the schema.
+        default: Namespace holding ``_schema`` (a ``torch._C.FunctionSchema``, or None when the
+            modelled release has no schema for the op).
+    """
 
-    return wrapper
+    def __init__(self, fake: FakeTorchNpu, name: str, impl: Callable, schema: torch._C.FunctionSchema | None):
+        self.__name__ = name
+        self._fake = fake
+        self.impl = impl
+        self.default = types.SimpleNamespace(_schema=schema)
+
+    def __call__(self, *args, **kwargs):
+        bound = inspect.signature(self.impl).bind(*args, **kwargs)
+        passed = {k: _normalise(v) for k, v in bound.arguments.items()}
+        self._fake.calls.append(CallRecord(self.__name__, passed, (args, kwargs)))
+        return self.impl(*args, **kwargs)
 
 
 def pack_grouped_pairs(blocks_u8: torch.Tensor, counts: list[int], tokens: int) -> torch.Tensor:
@@ -178,6 +270,16 @@ def pairs_along(scale_u8: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.stack(per).reshape(*lead, *per[0].shape).contiguous()
 
 
+OPS = (
+    "npu_quant_matmul",
+    "npu_grouped_matmul",
+    "npu_dynamic_mx_quant",
+    "npu_dynamic_mx_quant_with_dual_axis",
+    "npu_grouped_dynamic_mx_quant",
+)
+"""The ops the fake models (every op ``lp_lightning.ops.npu`` calls)."""
+
+
 class FakeTorchNpu(types.ModuleType):
     """Recording fake of the torch_npu ops the npu backend uses (see the module docstring)."""
 
@@ -187,20 +289,16 @@ class FakeTorchNpu(types.ModuleType):
         device_name: str = "Ascend950PR_9579",
         available: bool = True,
         missing: tuple[str, ...] = (),
-        version: str = "2.7.1.post26.0.0",
+        version: str = "2.13.0",
+        schemas: Mapping[str, torch._C.FunctionSchema] | None = None,
     ) -> None:
         super().__init__("torch_npu")
         self.__version__ = version
         self.calls: list[CallRecord] = []
-        attributes: dict[str, Any] = {
-            "hifloat8": HIFLOAT8,
-            "float8_e8m0fnu": FLOAT8_E8M0FNU,
-            "npu_quant_matmul": self._npu_quant_matmul,
-            "npu_grouped_matmul": self._npu_grouped_matmul,
-            "npu_dynamic_mx_quant": self._npu_dynamic_mx_quant,
-            "npu_dynamic_mx_quant_with_dual_axis": self._npu_dynamic_mx_quant_with_dual_axis,
-            "npu_grouped_dynamic_mx_quant": self._npu_grouped_dynamic_mx_quant,
-        }
+        schemas = SCHEMAS.schemas if schemas is None else schemas
+        attributes: dict[str, Any] = {"hifloat8": HIFLOAT8, "float8_e8m0fnu": FLOAT8_E8M0FNU}
+        for name in OPS:
+            attributes[name] = FakeOp(self, name, getattr(self, f"_{name}"), schemas.get(name))
         for name, value in attributes.items():
             if name not in missing:
                 setattr(self, name, value)
@@ -211,12 +309,15 @@ class FakeTorchNpu(types.ModuleType):
 
     # -- quant matmul ------------------------------------------------------------------------------
 
-    @_recorded
     def _npu_quant_matmul(self, x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
                           x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None,
                           group_sizes=None, y_scale=None):
-        if offset is not None or bias is not None or y_scale is not None or output_dtype is None:
-            raise NotImplementedError("fake torch_npu: offset/bias/y_scale unsupported; output_dtype required")
+        if offset is not None or bias is not None or y_scale is not None:
+            raise NotImplementedError("fake torch_npu: offset/bias/y_scale unsupported")
+        output = _output_dtype(output_dtype)
+        x1_dtype, x2_dtype = dtype_id(x1_dtype, "x1_dtype"), dtype_id(x2_dtype, "x2_dtype")
+        scale_dtype = dtype_id(scale_dtype, "scale_dtype")
+        pertoken_scale_dtype = dtype_id(pertoken_scale_dtype, "pertoken_scale_dtype")
         left_t, right_t = _is_transposed(x1), _is_transposed(x2)
         left_data = x1.transpose(-2, -1) if left_t else x1
         right_data = x2.transpose(-2, -1) if right_t else x2
@@ -241,11 +342,10 @@ class FakeTorchNpu(types.ModuleType):
                      else _operand(right_data, _e8m0(right_blocks), fmt, "col"))
         else:
             raise NotImplementedError("fake torch_npu: only MX (E8M0, group_sizes [1,1,32]) and HiF8 T-T modes")
-        return EMULATED.matmul(left, right, layout, output_dtype)
+        return EMULATED.matmul(left, right, layout, output)
 
     # -- grouped matmul ----------------------------------------------------------------------------
 
-    @_recorded
     def _npu_grouped_matmul(self, x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                             antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
                             activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
@@ -261,8 +361,12 @@ class FakeTorchNpu(types.ModuleType):
         unmodelled = ("bias", "offset", "antiquant_scale", "antiquant_offset", "activation_input",
                       "activation_quant_scale", "activation_quant_offset", "tuning_config")
         unsupported = [k for k in unmodelled if kwargs[k] is not None]
-        if unsupported or split_item != 3 or group_list_type != 1 or group_type not in (0, 2) or output_dtype is None:
+        if unsupported or split_item != 3 or group_list_type != 1 or group_type not in (0, 2) or act_type != 0:
             raise NotImplementedError(f"fake torch_npu: unsupported grouped matmul arguments {unsupported or kwargs}")
+        output = _output_dtype(output_dtype)
+        x_dtype, weight_dtype = dtype_id(x_dtype, "x_dtype"), dtype_id(weight_dtype, "weight_dtype")
+        scale_dtype = dtype_id(scale_dtype, "scale_dtype")
+        per_token_scale_dtype = dtype_id(per_token_scale_dtype, "per_token_scale_dtype")
         (x,), (weight,), (scale,), (per_token_scale,) = x, weight, scale, per_token_scale
         counts = [int(c) for c in group_list.tolist()]
         hif8 = x_dtype == HIFLOAT8 and weight_dtype == HIFLOAT8
@@ -281,7 +385,7 @@ class FakeTorchNpu(types.ModuleType):
                 left = _operand(x_rows, _e8m0(unpack_grouped_pairs(_u8(per_token_scale).transpose(0, 1), counts)),
                                 fmt, "col", group_list)
                 right = _operand(weight, _e8m0(unpack_grouped_pairs(_u8(scale), counts)), fmt, "col", group_list)
-            return [EMULATED.grouped_matmul(left, right, group_list, "TN", output_dtype)]
+            return [EMULATED.grouped_matmul(left, right, group_list, "TN", output)]
         # split M (fprop / dgrad): x [T, k]; weight [E, k, n], a transposed view for dgrad.
         weight_t = _is_transposed(weight)
         w_data = weight.transpose(-2, -1) if weight_t else weight
@@ -295,41 +399,46 @@ class FakeTorchNpu(types.ModuleType):
             w_blocks = torch.stack([_blocks_from_pairs(_u8(scale[e]), nb) for e in range(scale.shape[0])])  # [E, nb, n]
             right = (_operand(w_data, _e8m0(w_blocks.transpose(1, 2)), fmt, "row") if weight_t
                      else _operand(w_data, _e8m0(w_blocks), fmt, "col"))
-        return [EMULATED.grouped_matmul(left, right, group_list, "NT" if weight_t else "NN", output_dtype)]
+        return [EMULATED.grouped_matmul(left, right, group_list, "NT" if weight_t else "NN", output)]
 
     # -- quantize ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_mx_quant(dst_type, scale_alg, round_mode="rint"):
-        if dst_type != torch.float8_e4m3fn or scale_alg != 1 or round_mode != "rint":
-            raise NotImplementedError("fake torch_npu: MX quant is modelled for E4M3, scale_alg=1 (RCEIL), rint only")
+    def _check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max):
+        if dtype_id(dst_type, "dst_type") not in E4M3_IDS or scale_alg != 1 or round_mode != "rint" or dst_type_max:
+            raise NotImplementedError(
+                "fake torch_npu: MX quant is modelled for E4M3, scale_alg=1 (RCEIL), rint, dst_type_max 0 only"
+            )
 
-    @_recorded
     def _npu_dynamic_mx_quant(self, input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32, scale_alg=0,
                               dst_type_max=0.0, max_low_bound=0.0):
-        self._check_mx_quant(dst_type, scale_alg, round_mode)
-        if axis not in (-1, -2) or block_size != BLOCK:
-            raise NotImplementedError("fake torch_npu: axis -1/-2 and block_size 32 only")
+        self._check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max)
+        if axis not in (-1, -2) or block_size != BLOCK or max_low_bound:
+            raise NotImplementedError("fake torch_npu: axis -1/-2, block_size 32 and max_low_bound 0 only")
+        _check_input("npu_dynamic_mx_quant", input, (torch.float16, torch.bfloat16, torch.float32))
+        if input.dtype == torch.float32 and input.shape[axis] < BLOCK:
+            raise RuntimeError(f"fake torch_npu: npu_dynamic_mx_quant: float32 input needs axis {axis} >= 32 long "
+                               f"(its docs), got shape {tuple(input.shape)}")
         data, scale = mxfp8.quantize(input, orientation="row" if axis == -1 else "col")
-        return data, pairs_along(scale.view(torch.uint8), axis)  # as uint8, like torch_npu (docs/formats.md §3.3)
+        return data, pairs_along(scale.view(torch.uint8), axis)
 
-    @_recorded
     def _npu_dynamic_mx_quant_with_dual_axis(self, input, *, round_mode="rint", dst_type=296, scale_alg=0,
                                              dst_type_max=0.0):
-        self._check_mx_quant(dst_type, scale_alg, round_mode)
+        self._check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max)
+        _check_input("npu_dynamic_mx_quant_with_dual_axis", input, (torch.float16, torch.bfloat16))
         row_data, row_scale = mxfp8.quantize(input, orientation="row")
         col_data, col_scale = mxfp8.quantize(input, orientation="col")
         row_pairs = pairs_along(row_scale.view(torch.uint8), -1)
         col_pairs = pairs_along(col_scale.view(torch.uint8), -2)
-        return row_data, _e8m0(row_pairs), col_data, _e8m0(col_pairs)
+        return row_data, row_pairs, col_data, col_pairs
 
-    @_recorded
     def _npu_grouped_dynamic_mx_quant(self, x, group_index, *, round_mode="rint", dst_type=23, blocksize=32,
                                       scale_alg=0, dst_type_max=0.0):
-        self._check_mx_quant(dst_type, scale_alg, round_mode)
+        self._check_mx_quant(dst_type, scale_alg, round_mode, dst_type_max)
         if group_index.dtype != torch.int32 or blocksize != BLOCK:
             raise NotImplementedError("fake torch_npu: group_index int32 cumulative ends, blocksize 32")
+        _check_input("npu_grouped_dynamic_mx_quant", x, (torch.float16, torch.bfloat16))
         ends = group_index.to(torch.int64)
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
         data, scale = mxfp8.quantize_grouped(x, counts, orientation="col")
-        return data, _e8m0(pack_grouped_pairs(scale.view(torch.uint8), counts.tolist(), x.shape[0]))
+        return data, pack_grouped_pairs(scale.view(torch.uint8), counts.tolist(), x.shape[0])

@@ -5,15 +5,20 @@ equal the emulated backend, the capability gate names what is missing, nothing f
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
 import torch
+from packaging.version import Version
 
 from fake_torch_npu import (
+    DATA,
     FLOAT8_E8M0FNU,
     HIFLOAT8,
+    SCHEMAS,
     CallRecord,
+    load_schemas,
     pack_grouped_pairs,
     pairs_along,
     spec,
@@ -31,7 +36,7 @@ from lp_lightning.ops import (
     use_backend,
 )
 from lp_lightning.ops import emulated, npu
-from lp_lightning.ops.npu import check_npu_capability
+from lp_lightning.ops.npu import GateCheck, check_npu_capability
 
 E4M3, E8M0, U8, F32, I64, BF16 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8, torch.float32,
                                   torch.int64, torch.bfloat16)
@@ -222,51 +227,176 @@ def test_mx_quantize_on_the_npu_backend(fake_npu):
         _same_operand(grouped, MX.quantize(x, orientation="col", group_list=group_list))
 
 
-def test_hif8_quantize_stays_portable_on_the_npu_backend(fake_npu):
-    x = torch.randn(M, K, dtype=BF16)
+def test_an_fp32_master_is_dual_quantized_per_axis_without_a_cast(fake_npu):
+    """npu_dynamic_mx_quant_with_dual_axis takes FP16/BF16 only (its 2.13.0 docs); a BF16 cast would round twice."""
+    w = torch.randn(2, N, K)  # e.g. a stacked FP32 master
     with use_backend("npu"):
-        op = quantize(HI, x, orientation="row")
+        row, col = quantize_dual(MX, w)
+    quant = {"input": spec(F32, (2, N, K)), "dst_type": E4M3, "scale_alg": 1}
+    assert fake_npu.calls == [CallRecord("npu_dynamic_mx_quant", {**quant, "axis": axis}) for axis in (-1, -2)]
+    _same_operand(row, MX.quantize(w, orientation="row"))
+    _same_operand(col, MX.quantize(w, orientation="col"))
+
+
+def test_an_input_dtype_the_op_refuses_propagates(fake_npu):
+    """npu_grouped_dynamic_mx_quant takes FP16/BF16 only: an FP32 activation is the op's error, not a fallback."""
+    with use_backend("npu"), pytest.raises(RuntimeError, match="npu_grouped_dynamic_mx_quant takes input of"):
+        quantize(MX, torch.randn(T, K), orientation="col", group_list=torch.tensor(COUNTS))
+
+
+def test_hif8_quantize_stays_on_the_portable_codec_on_the_npu_backend(fake_npu):
+    """HiF8 has no bit-exact torch_npu quantize op (lp_lightning.ops.npu docstring): no call is made."""
+    x, w = torch.randn(M, K, dtype=BF16), torch.randn(N, K)
+    amax = HI.compute_amax(w) * 2  # e.g. the MAX over an FSDP group
+    with use_backend("npu"):
+        row = quantize(HI, x, orientation="row")
+        grad = quantize(GRAD, x, orientation="col")
+        dual = quantize_dual(HI, w, amax=amax)
     assert fake_npu.calls == []
-    _same_operand(op, HI.quantize(x, orientation="row"))
+    _same_operand(row, HI.quantize(x, orientation="row"))
+    _same_operand(grad, GRAD.quantize(x, orientation="col"))
+    _same_operand(dual[0], HI.quantize(w, orientation="row", amax=amax))
+    assert dual[1].data is dual[0].data and dual[1].orientation == "col"
 
 
 # ------------------------------------------------------------------------------------------------
 # Capability gate.
 
+TORCH_RELEASE = Version(torch.__version__).public
+INSTALL = re.escape(f"pip install torch-npu=={TORCH_RELEASE}")
+FORMATS = ("mxfp8_e4m3", "hif8")
 
-@pytest.mark.parametrize(
-    ("kwargs", "fmt", "message"),
-    [
-        ({"missing": ("float8_e8m0fnu",)}, "mxfp8_e4m3",
-         r"torch_npu\.float8_e8m0fnu, missing from torch_npu 2\.1\.0: it is too old.*v26\.0\.0"),
-        ({"missing": ("hifloat8",)}, "hif8", r"torch_npu\.hifloat8, missing .* too old"),
-        ({"device_name": "Ascend910B1"}, "hif8", r"needs an Ascend950 .* 'Ascend910B1'"),
-        ({"available": False}, "mxfp8_e4m3", r"is_available\(\) is False"),
-        ({"missing": ("npu_dynamic_mx_quant_with_dual_axis",)}, "mxfp8_e4m3",
-         r"torch_npu\.npu_dynamic_mx_quant_with_dual_axis, missing"),
-        ({"missing": ("npu_grouped_matmul",)}, "hif8", r"torch_npu\.npu_grouped_matmul, missing"),
-    ],
-    ids=["old-e8m0", "old-hif8", "soc", "no-device", "mx-op", "gmm-op"],
-)
-def test_capability_gate_names_the_missing_piece(install_fake_npu, kwargs, fmt, message):
-    install_fake_npu(version="2.1.0", **kwargs)
-    with pytest.raises(LowPrecisionUnsupportedError, match=message):
+
+def _fails(fmt, pattern):
+    """The gate, the auto choice on an NPU device and an explicit npu choice all fail with ``pattern``."""
+    with pytest.raises(LowPrecisionUnsupportedError, match=pattern):
         check_npu_capability(fmt)
-    with pytest.raises(LowPrecisionUnsupportedError, match=message):  # auto on an NPU device never emulates
+    with pytest.raises(LowPrecisionUnsupportedError, match=pattern):  # auto on an NPU device never emulates
         resolve_backend(fmt, "npu:0")
-    with pytest.raises(LowPrecisionUnsupportedError):
+    with pytest.raises(LowPrecisionUnsupportedError, match=pattern):
         resolve_backend(fmt, "cpu", backend="npu")
 
 
-def test_capability_gate_passes_on_a_complete_950(install_fake_npu, no_torch_npu):
-    not_installed = r"not installed\. Install it with pip install 'lp-lightning\[npu\]'"
-    with pytest.raises(LowPrecisionUnsupportedError, match=not_installed):
-        check_npu_capability("hif8")
-    install_fake_npu(missing=("npu_dynamic_mx_quant",))  # HiF8 does not need the MX quantize ops
+def _failed(fmt):
+    """The gate's failing checks (a failing stage ends the list)."""
+    return [c for c in npu.npu_gate_checks(fmt) if not c.ok]
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [(f, d) for f in FORMATS for d in npu.REQUIRED_DTYPES[f]])
+def test_a_missing_required_dtype_fails_naming_it(install_fake_npu, monkeypatch, fmt, dtype):
+    module, _, attribute = dtype.partition(".")
+    if module == "torch":
+        monkeypatch.delattr(torch, attribute)
+        install_fake_npu()
+    else:
+        install_fake_npu(missing=(attribute,))
+    _fails(fmt, rf"needs {re.escape(dtype)}, missing from torch .* run {INSTALL}")
+    assert [(c.name, c.seen) for c in _failed(fmt)] == [(f"dtype {dtype}", "missing")]
+
+
+@pytest.mark.parametrize(("fmt", "op"), [(f, op) for f in FORMATS for op in npu.REQUIRED_OPS[f]])
+def test_a_missing_required_op_fails_naming_it(install_fake_npu, fmt, op):
+    install_fake_npu(missing=(op,))
+    _fails(fmt, rf"needs the op torch_npu\.{op}, missing in torch_npu 2\.13\.0; run {INSTALL}")
+    assert [(c.name, c.seen) for c in _failed(fmt)] == [(f"op {op}", "missing")]
+
+
+def test_every_missing_op_is_listed_and_each_format_checks_only_its_own(install_fake_npu):
+    install_fake_npu(missing=("npu_dynamic_mx_quant", "npu_grouped_matmul"))
+    assert [c.name for c in _failed("mxfp8_e4m3")] == ["op npu_dynamic_mx_quant", "op npu_grouped_matmul"]
+    assert [c.name for c in _failed("hif8")] == ["op npu_grouped_matmul"]
+    install_fake_npu(missing=("npu_dynamic_mx_quant", "npu_grouped_dynamic_mx_quant"))  # HiF8 needs no MX quant
     check_npu_capability("hif8")
-    with pytest.raises(LowPrecisionUnsupportedError, match="npu_dynamic_mx_quant"):
-        check_npu_capability("mxfp8_e4m3")
+
+
+def test_an_op_whose_schema_lacks_a_keyword_fails_naming_it(install_fake_npu):
+    """torch_npu 2.7.1.post6's real schema of npu_grouped_dynamic_mx_quant has no scale_alg (RCEIL)."""
+    old = load_schemas(DATA / "torch_npu_2.7.1.post6_schemas.txt")
+    install_fake_npu(schemas={**SCHEMAS.schemas, **old.schemas})
+    _fails("mxfp8_e4m3", r"passes scale_alg to torch_npu\.npu_grouped_dynamic_mx_quant, whose schema in torch_npu "
+           rf"2\.13\.0 lacks it; run {INSTALL}")
+    assert [(c.name, c.seen) for c in _failed("mxfp8_e4m3")] == [("op npu_grouped_dynamic_mx_quant", "lacks scale_alg")]
+    check_npu_capability("hif8")
+
+
+def test_an_op_without_a_schema_is_not_taken_for_a_torch_npu_op(fake_npu, monkeypatch):
+    monkeypatch.setattr(fake_npu, "npu_quant_matmul", lambda *args, **kwargs: None)
+    _fails("hif8", r"needs the op torch_npu\.npu_quant_matmul, no op schema in torch_npu 2\.13\.0")
+
+
+@pytest.mark.parametrize(
+    ("version", "message", "failed"),
+    [
+        ("2.7.1.post6", rf"needs torch_npu >= 2\.7\.1\.post8 .* found 2\.7\.1\.post6; run {INSTALL}",
+         ("torch_npu version", "2.7.1.post6")),
+        ("2.7.1.post26.0.0", rf"torch_npu.__version__ '2\.7\.1\.post26\.0\.0' is not a PEP 440 version; .*{INSTALL}",
+         ("torch_npu version", "2.7.1.post26.0.0")),
+        ("2.12.0", rf"torch_npu 2\.12\.0 is built for torch 2\.12 but torch {re.escape(torch.__version__)} is "
+                   rf"installed; install the matching release: {INSTALL}",
+         ("torch_npu matches torch", f"torch_npu 2.12.0, torch {torch.__version__}")),
+    ],
+    ids=["too-old", "not-pep440", "other-torch-line"],
+)
+def test_a_wrong_torch_npu_version_fails_with_both_versions_and_the_fix(install_fake_npu, version, message, failed):
+    install_fake_npu(version=version)
+    for fmt in FORMATS:
+        _fails(fmt, message)
+    assert [(c.name, c.seen) for c in _failed("hif8")] == [failed]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message", "failed"),
+    [
+        ({"device_name": "Ascend910B1"}, r"needs an Ascend950 \(Ascend A5\) SoC; .* is 'Ascend910B1'",
+         ("SoC Ascend950", "Ascend910B1")),
+        ({"available": False}, r"needs an NPU device; torch_npu\.npu\.is_available\(\) is False",
+         ("NPU device", "none")),
+    ],
+    ids=["soc", "no-device"],
+)
+def test_the_device_must_be_an_ascend_950(install_fake_npu, kwargs, message, failed):
+    install_fake_npu(**kwargs)
+    for fmt in FORMATS:
+        _fails(fmt, message)
+    assert [(c.name, c.seen) for c in _failed("hif8")] == [failed]
+
+
+def test_a_device_query_that_raises_is_reported(fake_npu, monkeypatch):
+    def broken(device=None):
+        raise RuntimeError("drvGetDevNum failed")
+
+    monkeypatch.setattr(fake_npu.npu, "get_device_name", broken)
+    _fails("hif8", r"could not query the NPU \(RuntimeError: drvGetDevNum failed\)")
+
+
+def test_the_gate_lists_every_check_in_order_with_what_it_saw(install_fake_npu, no_torch_npu):
+    assert npu.npu_gate_checks("hif8") == (
+        GateCheck("torch_npu installed", "not installed", False, npu.npu_capability_error("hif8")),
+    )
+    assert "not installed. Install it with pip install 'lp-lightning[npu]'" in npu.npu_capability_error("hif8")
+    install_fake_npu()
+    checks = npu.npu_gate_checks("mxfp8_e4m3")
+    assert [(c.name, c.seen, c.ok, c.message) for c in checks] == [
+        ("torch_npu installed", "installed", True, None),
+        ("torch_npu version", "2.13.0", True, None),
+        ("torch_npu matches torch", f"torch_npu 2.13.0, torch {torch.__version__}", True, None),
+        ("dtype torch.float8_e4m3fn", "present", True, None),
+        ("dtype torch_npu.float8_e8m0fnu", "present", True, None),
+        ("NPU device", "available", True, None),
+        ("SoC Ascend950", "Ascend950PR_9579", True, None),
+        *[(f"op {op}", "present", True, None) for op in npu.REQUIRED_OPS["mxfp8_e4m3"]],
+    ]
+    assert npu.npu_gate_checks("mxfp8_e4m3") is checks  # cached
+    assert [c.name for c in npu.npu_gate_checks("hif8")][3:] == [
+        "dtype torch_npu.hifloat8", "NPU device", "SoC Ascend950", "op npu_quant_matmul", "op npu_grouped_matmul",
+    ]
     assert resolve_backend("hif8", "npu:0") == "npu" and resolve_backend("hif8", "cpu") == "emulated"
+
+
+def test_a_format_without_npu_kernels_is_refused(fake_npu):
+    toy = type("ToySpec", (type(HI.format),), {"name": "toy"})()
+    assert npu.npu_gate_checks(toy) == (GateCheck("npu backend kernels", "toy", False, npu.npu_capability_error(toy)),)
+    _fails(toy, r"the npu backend has no kernels for format 'toy'; it implements \['hif8', 'mxfp8_e4m3'\]")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,6 +410,7 @@ def test_a_failing_npu_op_propagates_without_any_fallback(fake_npu, monkeypatch)
     def forbidden(*args, **kwargs):
         raise AssertionError("the emulated backend must not run when the npu backend was selected")
 
+    check_npu_capability("mxfp8_e4m3")  # the startup gate passed; the op fails at run time
     monkeypatch.setattr(fake_npu, "npu_quant_matmul", broken)
     monkeypatch.setattr(emulated.EmulatedBackend, "matmul", forbidden)
     left, right = _dense("mx", "NT")
@@ -289,6 +420,7 @@ def test_a_failing_npu_op_propagates_without_any_fallback(fake_npu, monkeypatch)
 
 
 def test_a_mis_shaped_npu_result_is_refused(fake_npu, monkeypatch):
+    check_npu_capability("hif8")
     real = fake_npu.npu_quant_matmul
     monkeypatch.setattr(fake_npu, "npu_quant_matmul", lambda *a, **k: real(*a, **k).float())
     left, right = _dense("hif8", "NT")
