@@ -335,6 +335,10 @@ class NpuBackend:
         """See :func:`npu_capability_error`."""
         return npu_capability_error(format)
 
+    def startup_checks(self, format: FormatSpec | None) -> tuple[GateCheck, ...]:
+        """See :func:`npu_gate_checks`."""
+        return npu_gate_checks(format)
+
     def quantize(
         self,
         quantizer: Quantizer,

@@ -29,14 +29,13 @@ import importlib
 import sys
 import threading
 import weakref
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from packaging.version import InvalidVersion, Version
 
 from lp_lightning.formats.spec import FormatSpec, as_spec
-from lp_lightning.ops.backend import LowPrecisionUnsupportedError
+from lp_lightning.ops.backend import GateCheck, LowPrecisionUnsupportedError
 
 __all__ = [
     "MIN_TORCH_NPU_VERSION",
@@ -86,26 +85,6 @@ REQUIRED_OPS: dict[str, dict[str, tuple[str, ...]]] = {
 """Per format, every torch_npu op the npu backend calls and the keywords it passes to it (design spec
 §15: dynamic MX quant, dual-axis quant, quant MM/GMM; HiF8 FP32-scale MM/GMM). Each op's schema
 (``op.default._schema``) must accept those keywords."""
-
-
-@dataclass(frozen=True)
-class GateCheck:
-    """One check of the npu capability gate, in the order :func:`npu_gate_checks` runs them.
-
-    Attributes:
-        name: What was checked: ``"torch_npu installed"``, ``"torch_npu version"``,
-            ``"torch_npu matches torch"``, ``"dtype torch_npu.hifloat8"``, ``"NPU device"``,
-            ``"SoC Ascend950"``, ``"op npu_quant_matmul"``.
-        seen: The value found on this machine (a version, a device name, ``"present"``,
-            ``"missing"``, ``"lacks scale_alg"``).
-        ok: Whether the check passed.
-        message: For a failed check, what is wrong and the fix; None when it passed.
-    """
-
-    name: str
-    seen: str
-    ok: bool
-    message: str | None = None
 
 
 _cache_lock = threading.Lock()
@@ -222,7 +201,7 @@ def _op_checks(fmt: str, torch_npu: ModuleType) -> list[GateCheck]:
     return checks
 
 
-def npu_gate_checks(format: FormatSpec | str) -> tuple[GateCheck, ...]:
+def npu_gate_checks(format: FormatSpec | str | None) -> tuple[GateCheck, ...]:
     """The npu capability gate's checks for ``format``, in order, with what each saw.
 
     Stages, each run only when the previous passed: ``torch_npu`` installed; its version (at least
@@ -232,7 +211,8 @@ def npu_gate_checks(format: FormatSpec | str) -> tuple[GateCheck, ...]:
     stage holds the failures (all missing ops are listed). Importable and callable without torch_npu.
 
     Args:
-        format: A ``FormatSpec`` or a registered format name.
+        format: A ``FormatSpec`` or a registered format name; ``None``: the format-independent
+            checks of a ``bf16`` run on the npu accelerator (installed, version, a visible NPU).
 
     Returns:
         The checks run, each with ``name``, ``seen``, ``ok`` and ``message``; all ``ok`` when the
@@ -241,8 +221,8 @@ def npu_gate_checks(format: FormatSpec | str) -> tuple[GateCheck, ...]:
     Raises:
         ValueError: for an unknown format.
     """
-    fmt = as_spec(format).name
-    if fmt not in REQUIRED_OPS:
+    fmt = "bf16" if format is None else as_spec(format).name
+    if format is not None and fmt not in REQUIRED_OPS:
         failure = f"the npu backend has no kernels for format {fmt!r}; it implements {sorted(REQUIRED_OPS)}."
         return (_check("npu backend kernels", fmt, failure),)
     torch_npu = _import_torch_npu()
@@ -260,7 +240,10 @@ def npu_gate_checks(format: FormatSpec | str) -> tuple[GateCheck, ...]:
     if cached is not None:
         return cached
     checks = [_check("torch_npu installed", "installed", None)]
-    for stage in (_version_checks, _dtype_checks, _device_checks, _op_checks):
+    stages = (_version_checks, _dtype_checks, _device_checks, _op_checks)
+    if format is None:  # bf16 on the npu accelerator: a matching torch_npu and a visible NPU, any SoC
+        stages = (_version_checks, lambda fmt, module: _device_checks(fmt, module)[:1])
+    for stage in stages:
         checks.extend(stage(fmt, torch_npu))
         if not all(check.ok for check in checks):
             return tuple(checks)
