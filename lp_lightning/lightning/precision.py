@@ -45,12 +45,13 @@ modules keep the activations in the weights' dtype.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
@@ -216,7 +217,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
                 backend=self.requested_backend,
             )
         except StartupGateError as err:
-            rank_zero_warn(err.result.describe())
+            rank_zero_only(print)(err.result.describe(), file=sys.stderr)  # every check, then the error
             raise
         rank_zero_info(result.describe())
         if self.policy.enabled:
