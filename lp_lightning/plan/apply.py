@@ -170,7 +170,7 @@ class ModuleReplacementPlan:
         policy: Passed to every factory.
         rules: The rules it was compiled from.
         entries: Modules to replace, in ``named_modules`` order.
-        skipped: Modules a glob hit but an ``exclude`` glob removed.
+        skipped: Modules a rule's ``match`` named but its ``exclude`` removed.
         inactive_rules: ``(rule name, reason)`` for rules that were not evaluated.
         never_replace: The model's never-replace rules the compile step enforced (besides the
             plan's own embedding/normalization denials).
