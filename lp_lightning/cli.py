@@ -324,7 +324,8 @@ class LPLightningCLI(LightningCLI):
         fsdp_config = self._get(self.config_init, "fsdp_config")
         precision = self._get(self.config, "precision")
         kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)
-        kwargs["plugins"] = [LowPrecisionPlugin(precision, plan_rules=_plan_rules(self._get(self.config, "plan_overrides")))]
+        plan_rules = _plan_rules(self._get(self.config, "plan_overrides"))
+        kwargs["plugins"] = [LowPrecisionPlugin(precision, plan_rules=plan_rules)]
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
         # The step bar replaces Lightning's epoch bar (which reads "Epoch 0/-2" with max_steps), unless
@@ -437,11 +438,11 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
 
 
 def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
-    """Compiles the replacement plan on the meta model of ``model.*`` and checks the shard rule, once (design spec §15).
+    """Compiles the plan once on the meta model of ``model.*`` and checks the shard rule (design spec §15).
 
     The plan of every rank (:meth:`LowPrecisionPlugin.compile_plan`) compiled and applied on the
-    structure-only model: zero hits, wrong module types (subclasses, PEFT/custom wrappers), rule
-    conflicts and unimportable ``module_type``/factory paths fail here. Then, with
+    structure-only model: a target FQN naming no module, a module that is not the rule's
+    ``module_type``, rule conflicts and unimportable ``module_type``/factory paths fail here. Then, with
     ``fsdp_config.fallback_to_unsharded: false`` and a known world size, every weight that breaks the
     format's shard rule is listed in one error (FQN, shape, rows per rank, the fix) instead of one
     traceback per rank; the strategy's per-rank check stays as a guard.

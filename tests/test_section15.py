@@ -151,7 +151,8 @@ def test_model_spec_fails_after_model_build(tmp_path, build_stages, isolated_dis
     ("options", "message"),
     [
         (["--precision", "hif8", "--low_precision.enabled", "true", "--low_precision.format", "hif8",
-          "--low_precision.scaling", "delayed"], "low_precision.scaling='delayed': HiF8 delayed scaling is not supported"),
+          "--low_precision.scaling", "delayed"],
+         "low_precision.scaling='delayed': HiF8 delayed scaling is not supported"),
         (["--low_precision.scaling", "delayed"], "HiF8 delayed scaling is not supported"),
         (["--precision", "mxfp8", "--low_precision.enabled", "true", "--low_precision.scaling", "current"],
          "illegal low-precision pair mxfp8_e4m3+current; the legal pairs are mxfp8_e4m3+mx_block, hif8+current"),
@@ -219,19 +220,23 @@ def test_duplicated_rule_names_fail_at_parse(capsys, nothing_instantiated):
 
 def test_zero_hits_and_wrong_type_fail_at_launch_naming_rule_and_fqn(capsys, nothing_instantiated):
     missing = _linear_rule("mlp", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.gateproj")
-    text = _fails_at_parse(capsys, nothing_instantiated, "--precision", "hif8", "--plan_overrides", json.dumps([missing]))
+    text = _fails_at_parse(capsys, nothing_instantiated, "--precision", "hif8",
+                           "--plan_overrides", json.dumps([missing]))
     assert "rule 'mlp' (torch.nn.Linear -> lp_lightning.modules.linear.replace_low_precision_linear) is enabled but " \
            "1 of its `match` FQNs name no module" in text
     assert "'model.layers.0.mlp.gateproj'; nearest FQNs: ['model.layers.0.mlp.gate_proj'" in text
     experts = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
     wrong = _linear_rule("experts", "model.layers.0.mlp.up_proj", module_type=experts)
-    text = _fails_at_parse(capsys, nothing_instantiated, "--precision", "mxfp8", "--plan_overrides", json.dumps([wrong]))
+    text = _fails_at_parse(capsys, nothing_instantiated, "--precision", "mxfp8",
+                           "--plan_overrides", json.dumps([wrong]))
     assert f"rule 'experts': module 'model.layers.0.mlp.up_proj' is torch.nn.modules.linear.Linear, but the rule " \
            f"requires exactly {experts}" in text
 
 
 def test_zero_hits_fail_at_plan_compile_after_model_build(tmp_path, build_stages, isolated_dist):
-    rules = rules_from_config([_linear_rule("mla", "model.layers.0.self_attn.q_proj", "model.layers.9.self_attn.q_proj")])
+    rules = rules_from_config(
+        [_linear_rule("mla", "model.layers.0.self_attn.q_proj", "model.layers.9.self_attn.q_proj")]
+    )
     with pytest.raises(ValueError, match=r"(?s)rule 'mla' .*'model\.layers\.9\.self_attn\.q_proj'; nearest FQNs"):
         _fit(DeepSeekV3LM(), LowPrecisionPlugin("mxfp8", plan_rules=rules), tmp_path)
     assert build_stages == ["model_build", "plan_compile"]  # before any fully_shard
@@ -248,7 +253,9 @@ def test_plan_overrides_from_yaml_and_cli_reach_the_plugin(tmp_path):
     assert from_yaml.plan_rules == from_cli.plan_rules == rules_from_config(rules)
     assert LPLightningCLI(args=root, run=False).trainer.precision_plugin.plan_rules is None  # the adapter's default
     # The 16B plan file is a valid partial config: the 16B run with it parses, compiles and checks at launch.
-    config = parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--config", str(CONFIGS / "plan_deepseek_v3.yaml")])
+    config = parse_config(
+        ["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--config", str(CONFIGS / "plan_deepseek_v3.yaml")]
+    )
     assert [rule["name"] for rule in config.plan_overrides] == ["mla_projections", "dense_mlp", "shared_experts",
                                                                  "routed_experts"]
     _check_launch(config, plan_rules=rules_from_config(config.plan_overrides))  # fallback true: no error
@@ -259,7 +266,9 @@ def test_plan_overrides_are_applied(tmp_path, isolated_dist):
     trainer = _fit(DeepSeekV3LM(), LowPrecisionPlugin("hif8", plan_rules=rules), tmp_path)
     plugin = trainer.precision_plugin
     assert plugin.replacement_report.counts == {"two": 2}
-    assert plugin.low_precision_weights == ("model.layers.0.mlp.gate_proj.weight", "model.layers.2.self_attn.o_proj.weight")
+    assert plugin.low_precision_weights == (
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.2.self_attn.o_proj.weight"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,7 +315,8 @@ def test_peft_and_custom_modules_fail_in_the_plan_and_are_not_replaced(tmp_path,
     with pytest.raises(TypeError) as info:
         _fit(module, LowPrecisionPlugin("mxfp8"), tmp_path)
     message = str(info.value)
-    assert f"module 'model.layers.0.mlp.gate_proj' is {__name__}.{found} but was torch.nn.modules.linear.Linear" in message
+    expected = f"module 'model.layers.0.mlp.gate_proj' is {__name__}.{found} but was torch.nn.modules.linear.Linear"
+    assert expected in message
     assert "PEFT/custom wrapper at a target FQN is never replaced (design spec §15)" in message
     assert build_stages == ["model_build", "plan_compile"]  # no fully_shard
     assert not any("LowPrecision" in type(m).__name__ for m in module.model.modules())  # atomic: nothing replaced
@@ -390,14 +400,15 @@ class _SGDModule(DeepSeekV3LM):
 
 
 def test_trainer_refuses_other_optimizers_at_construction(tmp_path, build_stages, isolated_dist):
-    with pytest.raises(TypeError, match=r"optimizer torch\.optim\.sgd\.SGD is not supported: design spec §15 allows only "
-                                        r"torch\.optim\.AdamW with FP32 master weights, moments and update"):
+    with pytest.raises(TypeError, match=r"optimizer torch\.optim\.sgd\.SGD is not supported: design spec §15 allows "
+                                        r"only torch\.optim\.AdamW with FP32 master weights, moments and update"):
         _fit(_SGDModule(), LowPrecisionPlugin("bf16"), tmp_path)
     assert "fully_shard" in build_stages and _SGDModule.steps == 0  # after sharding, before any step
 
 
 def test_fabric_refuses_other_optimizers_and_non_fp32_state(isolated_dist):
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(), plugins=[LowPrecisionFabricPlugin("bf16")])
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(),
+                    plugins=[LowPrecisionFabricPlugin("bf16")])
     fabric.launch()
     model = fabric.setup_module(deepseek_v3.from_hf_config("dsv3-tiny", seed=0))
     with pytest.raises(TypeError, match=r"optimizer torch\.optim\.sgd\.SGD is not supported"):

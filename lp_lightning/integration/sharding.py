@@ -185,7 +185,7 @@ def plan_low_precision_sharding(
 
 
 def illegal_shards_error(violations: Iterable[ReplicatedWeight], world_size: int) -> ValueError:
-    """The error of ``fallback_to_unsharded=false`` with illegal shards: every weight, its shape, rows per rank, the fix.
+    """The error for illegal shards with ``fallback_to_unsharded=false``: each weight, shape, rows per rank, the fix.
 
     One message for the launch check (:func:`planned_shard_violations`) and the per-rank guard
     (:func:`plan_low_precision_sharding`), so both say the same.
@@ -200,7 +200,9 @@ def illegal_shards_error(violations: Iterable[ReplicatedWeight], world_size: int
     )
 
 
-def planned_shard_violations(module: nn.Module, world_size: int, format: FormatSpec | str) -> tuple[ReplicatedWeight, ...]:
+def planned_shard_violations(
+    module: nn.Module, world_size: int, format: FormatSpec | str
+) -> tuple[ReplicatedWeight, ...]:
     """The shard-rule violations of the weights a replacement plan made low precision, before finalize.
 
     For the launch check (design spec §15 "illegal shard"): run it on the meta twin after
