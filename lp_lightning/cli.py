@@ -17,10 +17,17 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   checks printed and exit status 1.
 * ``--low_precision.*`` (optional; the design spec §4.2 ``low_precision:`` YAML section):
   :class:`~lp_lightning.policy.LowPrecisionConfig`. It states the same choice long-hand; an illegal
-  ``format``/``scaling`` pair, or a section that disagrees with ``--precision``, fails while
-  parsing (exit status 2), before any model is built.
+  ``format``/``scaling`` pair (``scaling: delayed``: "HiF8 delayed scaling is not supported"), a
+  section that disagrees with ``--precision``, or one that names a low-precision pair with
+  ``enabled: false`` in a bf16 run fails while parsing (exit status 2), before any model is built.
+* ``--plan_overrides`` (optional; design spec §4.3): replacement rules instead of the model adapter's
+  default (:func:`~lp_lightning.plan.rules_from_config`; full FQNs, no wildcards). Their form is
+  checked while parsing; in mxfp8/hif8 the plan is compiled once at launch on the meta model (zero
+  hits, wrong module types, unimportable paths fail then, exit status 2) and handed to the plugin.
 * ``--fsdp_config.*``: :class:`~lp_lightning.config.FSDP2Config` (design spec §4.3); unsupported values
-  (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built.
+  (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built. With
+  ``fallback_to_unsharded: false``, weights that break the format's shard rule over the run's world
+  size are listed in one error at launch (FQN, shape, rows per rank, the fix).
 * ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
 * ``--run_summary.*``: :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`
@@ -43,18 +50,20 @@ Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` 
 starts from step 0, so a job script may pass ``last`` on every start). The path, the batch
 geometry (``data.global_batch_size`` divisible by accumulation x world size) and a ``torchrun``
 world size that disagrees with ``trainer.devices`` are checked while parsing (exit status 2),
-before any process is launched.
+before any process is launched; ``ckpt_path`` must be a DCP folder (a ``.ckpt`` file fails).
+``--print_config`` prints only a config that passes all these checks.
 A run stopped by SIGTERM (preemption) exits with status 143 and can be resumed that way.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from jsonargparse import Namespace
 
@@ -79,7 +88,7 @@ from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
-from lp_lightning.policy import LowPrecisionConfig
+from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
 
 __all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config"]
 
@@ -122,6 +131,91 @@ def _refused(trainer: Namespace | dict) -> str | None:
     return None
 
 
+_REJECTED_SCALING = re.compile(r'Parser key "(?:low_precision\.)?scaling":\s*Expected a [^\n]*\. Got value: (\S+)')
+"""jsonargparse's error for a ``low_precision.scaling`` value outside its choices (``Literal``)."""
+
+
+class _LPArgumentParser(LightningArgumentParser):
+    """The CLI's parser: says in words why a refused ``low_precision.scaling`` fails (design spec §17.3.1).
+
+    ``scaling: delayed`` is not one of the field's choices, so jsonargparse rejects it while
+    parsing with a generic dump of the ``Optional[LowPrecisionConfig]`` union; the user-facing
+    parser replaces that dump by :func:`~lp_lightning.policy.refused_scaling_message` ("HiF8
+    delayed scaling is not supported"). The help keeps listing only the accepted choices.
+    """
+
+    @override
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        match = _REJECTED_SCALING.search(message) if self.exit_on_error and "low_precision" in message else None
+        refused = refused_scaling_message(match.group(1)) if match else None
+        super().error(refused or message, ex)
+
+
+def _requests_print_config(arg: str) -> bool:
+    return arg == "--print_config" or arg.startswith("--print_config=")
+
+
+def _check_low_precision(section: Namespace) -> None:
+    """The ``low_precision`` section against ``precision`` (design spec §4.2; the pair itself: ``__post_init__``).
+
+    Raises:
+        ValueError: The section selects another precision, or it names a low-precision pair with
+            ``enabled: false`` while ``precision`` is bf16 (the run would silently train in bf16).
+    """
+    low_precision = section.get("low_precision")
+    if low_precision is None:
+        return
+    values = low_precision.as_dict() if isinstance(low_precision, Namespace) else dict(vars(low_precision))
+    config = LowPrecisionConfig.from_dict(values)
+    pair = f"{config.format}+{config.scaling}"
+    if config.precision_name.value != section["precision"]:
+        fix = f"set `precision: {config.precision_name.value}` or remove the low_precision section"
+        if not config.enabled:  # the section names the run's pair but forgot to switch it on
+            fix = "set `low_precision.enabled: true`, or remove the low_precision section"
+        raise ValueError(
+            f"low_precision ({pair}, enabled={config.enabled}) selects --precision {config.precision_name.value}, "
+            f"but precision={section['precision']!r}; {fix}."
+        )
+    default = LowPrecisionConfig()
+    if not config.enabled and (config.format, config.scaling) != (default.format, default.scaling):
+        named = LowPrecisionConfig(enabled=True, format=config.format, scaling=config.scaling).precision_name.value
+        raise ValueError(
+            f"low_precision names {pair} but enabled=False, so this run would train in bf16; set "
+            f"`low_precision.enabled: true` and `precision: {named}`, or remove the low_precision section."
+        )
+
+
+def _plan_rules(specs: list[dict[str, Any]] | None) -> tuple[Any, ...] | None:
+    """``plan_overrides`` as replacement rules (``None``: the model adapter's default rules).
+
+    Raises:
+        TypeError, ValueError: from :func:`~lp_lightning.plan.rules_from_config`, naming the rule and
+            key: an unknown key, a wildcard in ``match``/``exclude``, a malformed dotted path,
+            duplicated rule names.
+    """
+    if specs is None:
+        return None
+    from lp_lightning.plan import rules_from_config  # not imported by a run without overrides
+
+    return rules_from_config([dict(spec) for spec in specs])
+
+
+def _check_section(section: Namespace, *, launch: bool) -> None:
+    """Everything :meth:`LPLightningCLI.parse_arguments` checks, in order (design spec §15).
+
+    Raises:
+        TypeError, ValueError, ImportError: the first failing check, naming the key and the fix.
+    """
+    FSDP2Config(**section["fsdp_config"].as_dict())
+    _check_low_precision(section)
+    refused = _refused(section["trainer"])
+    if refused is not None:
+        raise ValueError(refused)
+    rules = _plan_rules(section.get("plan_overrides"))
+    if launch:
+        _check_launch(section, plan_rules=rules)
+
+
 class LPLightningCLI(LightningCLI):
     """LightningCLI of the pretraining job (see the module docstring).
 
@@ -143,6 +237,7 @@ class LPLightningCLI(LightningCLI):
                 "description": "Pretrain DeepSeek-V3 with FSDP2 in bf16, mxfp8 or hif8 GEMMs. Also: "
                 "`lp-lightning validate-model --help` (structure report of a spec on the meta device).",
             },
+            parser_class=_LPArgumentParser,
             args=None if args is None else list(args),
             run=run,
         )
@@ -179,6 +274,17 @@ class LPLightningCLI(LightningCLI):
             default=None,
             help="The design spec §4.2 low_precision section (enabled/format/scaling); must agree with --precision.",
         )
+        parser.add_argument(
+            "--plan_overrides",
+            type=Optional[list[dict[str, Any]]],
+            default=None,
+            help=(
+                "Replacement rules (design spec §4.3) instead of the model adapter's default: a list of "
+                "{name, match: [full FQNs], exclude, when, module_type, exact_type, replace_module: {_target_}}; "
+                "no wildcards (§1.1). E.g. --config configs/plan_deepseek_v3.yaml. Checked while parsing and "
+                "compiled once at launch."
+            ),
+        )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.every_n_steps": 20})
@@ -193,36 +299,29 @@ class LPLightningCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parses, then validates ``fsdp_config`` and ``low_precision`` so bad values fail as a usage error.
+        """Parses, then runs the design spec §15 checks so a bad config fails as a usage error (exit status 2).
 
-        ``FSDP2Config.__post_init__`` and ``LowPrecisionConfig.__post_init__`` run here, before
-        any class is instantiated, and their messages (naming ``fsdp_config.<key>`` / the illegal
-        ``format+scaling`` pair and the legal ones) are printed as ``error: ...`` with exit status 2.
+        The checks (:func:`_check_section`) run before any class is instantiated: ``fsdp_config``
+        and ``low_precision`` (their ``__post_init__``), the refused Trainer options, the
+        ``plan_overrides`` rules and, with a subcommand, the launch checks (:func:`_check_launch`).
+        ``--print_config`` prints only a config that passes them: jsonargparse prints (and exits)
+        inside ``parse_args`` before anything is checked, so with that flag the arguments are first
+        parsed and checked without it.
         """
+        argv = sys.argv[1:] if args is None else args
+        if not isinstance(argv, (dict, Namespace)) and any(map(_requests_print_config, argv)):
+            self.config = parser.parse_args([arg for arg in argv if not _requests_print_config(arg)])
+            self._check_config(parser)
         super().parse_arguments(parser, args)
+        self._check_config(parser)
+
+    def _check_config(self, parser: LightningArgumentParser) -> None:
         subcommand = self.config.get("subcommand")
         section = self.config[subcommand] if subcommand else self.config
         target = self._subcommand_parsers[subcommand] if subcommand else parser
         try:
-            FSDP2Config(**section["fsdp_config"].as_dict())
-            low_precision = section.get("low_precision")
-            if low_precision is not None:
-                values = low_precision.as_dict() if isinstance(low_precision, Namespace) else dict(vars(low_precision))
-                config = LowPrecisionConfig.from_dict(values)
-                if config.precision_name.value != section["precision"]:
-                    fix = f"set `precision: {config.precision_name.value}` or remove the low_precision section"
-                    if not config.enabled:  # the section names the run's pair but forgot to switch it on
-                        fix = "set `low_precision.enabled: true`, or remove the low_precision section"
-                    raise ValueError(
-                        f"low_precision ({config.format}+{config.scaling}, enabled={config.enabled}) selects "
-                        f"--precision {config.precision_name.value}, but precision={section['precision']!r}; {fix}."
-                    )
-            refused = _refused(section["trainer"])
-            if refused is not None:
-                raise ValueError(refused)
-            if subcommand is not None:
-                _check_launch(section)
-        except (TypeError, ValueError) as err:
+            _check_section(section, launch=subcommand is not None)
+        except (TypeError, ValueError, ImportError) as err:
             target.error(str(err))
 
     @override
@@ -239,7 +338,9 @@ class LPLightningCLI(LightningCLI):
         fsdp_config = self._get(self.config_init, "fsdp_config")
         precision = self._get(self.config, "precision")
         kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)
-        kwargs["plugins"] = [LowPrecisionPlugin(precision, backend=self._get(self.config, "backend"))]
+        plan_rules = _plan_rules(self._get(self.config, "plan_overrides"))
+        backend = self._get(self.config, "backend")
+        kwargs["plugins"] = [LowPrecisionPlugin(precision, backend=backend, plan_rules=plan_rules)]
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
         # The step bar replaces Lightning's epoch bar (which reads "Epoch 0/-2" with max_steps), unless
@@ -303,7 +404,7 @@ def _latest_checkpoint(folder: Path) -> Path | None:
     return None
 
 
-def _check_launch(section: Namespace) -> None:
+def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None) -> None:
     """Checks what would otherwise fail only inside every launched process.
 
     Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
@@ -311,9 +412,15 @@ def _check_launch(section: Namespace) -> None:
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
+    In mxfp8/hif8 it then compiles the replacement plan once on the model's meta twin
+    (:func:`_check_low_precision_launch`).
+
+    Args:
+        section: The subcommand's config.
+        plan_rules: The run's ``plan_overrides`` rules (``None``: the model adapter's default).
 
     Raises:
-        ValueError: naming the key, the values and the fix.
+        ValueError, TypeError, ImportError: naming the key, the values and the fix.
     """
     trainer = section["trainer"]
     if (accelerator_error := npu_accelerator_error(trainer.get("accelerator"))) is not None:
@@ -336,13 +443,48 @@ def _check_launch(section: Namespace) -> None:
             latest = _latest_checkpoint(Path(ckpt_path)) if Path(ckpt_path).is_dir() else None
             if latest is not None:
                 hint = f"did you mean {str(latest)!r} (the newest checkpoint in it)? Or pass `last`"
-            what = "does not exist" if not Path(ckpt_path).exists() else "is not a DCP checkpoint folder"
+            what = "does not exist" if not Path(ckpt_path).exists() else (
+                "is not a DCP checkpoint folder (design spec §11, §15: only DCP checkpoints are read)"
+            )
             raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
     world_size = _world_size(trainer)
     accumulation = trainer.get("accumulate_grad_batches") or 1
     global_batch_size = section["data"].get("global_batch_size")
     if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
         check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
+    if section["precision"] != "bf16":
+        _check_low_precision_launch(section, plan_rules, world_size)
+
+
+def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
+    """Compiles the plan once on the meta model of ``model.*`` and checks the shard rule (design spec §15).
+
+    The plan of every rank (:meth:`LowPrecisionPlugin.compile_plan`) compiled and applied on the
+    structure-only model: a target FQN naming no module, a module that is not the rule's
+    ``module_type``, rule conflicts and unimportable ``module_type``/factory paths fail here. Then, with
+    ``fsdp_config.fallback_to_unsharded: false`` and a known world size, every weight that breaks the
+    format's shard rule is listed in one error (FQN, shape, rows per rank, the fix) instead of one
+    traceback per rank; the strategy's per-rank check stays as a guard.
+
+    Raises:
+        TypeError, ValueError, ImportError: from the plan, or the illegal shards.
+    """
+    from lp_lightning.integration import illegal_shards_error, planned_shard_violations
+    from lp_lightning.models.deepseek_v3 import build_meta_model
+
+    model = section["model"]
+    meta = build_meta_model(
+        model.get("config_name_or_path"),
+        config_overrides=model.get("config_overrides"),
+        attn_implementation=model.get("attn_implementation") or "sdpa",
+    )
+    plugin = LowPrecisionPlugin(section["precision"], plan_rules=plan_rules)
+    plugin.compile_plan(meta).apply(meta)
+    fallback = section["fsdp_config"].get("fallback_to_unsharded")
+    if world_size is not None and not fallback:
+        violations = planned_shard_violations(meta, world_size, plugin.policy.format.value)
+        if violations:
+            raise illegal_shards_error(violations, world_size)
 
 
 class _ParseOnlyCLI(LPLightningCLI):

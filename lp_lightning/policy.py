@@ -15,7 +15,9 @@ parsed, before any model is built):
   operand's current amax.
 
 ``hif8`` + ``delayed`` (amax history) is deliberately not offered (design spec §4.2: HiF8 current
-scaling always uses the current amax and exposes no safety-margin knob).
+scaling always uses the current amax and exposes no safety-margin knob): ``scaling: delayed`` fails
+with "HiF8 delayed scaling is not supported" (:func:`refused_scaling_message`, design spec §17.3.1),
+from the config and from the CLI parser alike.
 
 This module is pure Python: importing it, building a config or a policy imports neither torch
 nor ``torch_npu`` and runs no capability check (design spec §13.1: ``enabled=false`` must not import
@@ -41,12 +43,14 @@ from lp_lightning.names import LowPrecisionFormat
 
 __all__ = [
     "LEGAL_PAIRS",
+    "REFUSED_SCALINGS",
     "LowPrecisionConfig",
     "LowPrecisionFormat",
     "LowPrecisionPolicy",
     "PrecisionName",
     "RecipeName",
     "ScalingAlgorithm",
+    "refused_scaling_message",
 ]
 
 
@@ -95,6 +99,25 @@ def _legal_pairs_text() -> str:
     return ", ".join(f"{fmt.value}+{scaling.value}" for fmt, scaling in LEGAL_PAIRS)
 
 
+REFUSED_SCALINGS: frozenset[str] = frozenset({"delayed"})
+"""Scaling algorithms known but refused in this release (design spec §1: HiF8 delayed scaling is out of
+scope; §17.3.1: rejected at startup as unsupported, never mapped to ``current``)."""
+
+
+def refused_scaling_message(scaling: object, *, owner: str = "low_precision") -> str | None:
+    """The error for a refused ``low_precision.scaling`` value (:data:`REFUSED_SCALINGS`), or ``None``.
+
+    Used by :class:`LowPrecisionConfig` and by the CLI, whose parser rejects the value before the
+    config exists (it is not one of the ``scaling`` choices).
+    """
+    if not isinstance(scaling, str) or scaling not in REFUSED_SCALINGS:
+        return None
+    return (
+        f"{owner}.scaling={scaling!r}: HiF8 delayed scaling is not supported (design spec §1, §17.3.1: "
+        f"no amax history). The legal pairs are {_legal_pairs_text()}; for hif8 set `scaling: current`."
+    )
+
+
 def _validate(
     owner: str, enabled: object, format: object, scaling: object
 ) -> tuple[LowPrecisionFormat, ScalingAlgorithm, RecipeName]:
@@ -109,6 +132,9 @@ def _validate(
             f"{owner}.enabled must be a bool, got {enabled!r} ({type(enabled).__name__}); "
             "write `enabled: true` or `enabled: false`."
         )
+    refused = refused_scaling_message(scaling, owner=owner)
+    if refused is not None:
+        raise ValueError(refused)
     pair_text = f"format={format!r} + scaling={scaling!r}"
     try:
         fmt = LowPrecisionFormat(format)

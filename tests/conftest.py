@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 
@@ -27,3 +28,17 @@ def _codec_kernels(request):
     set_compiled_kernels(request.node.get_closest_marker("compiled") is not None)
     yield
     set_compiled_kernels(previous)
+
+
+@pytest.fixture
+def isolated_dist():
+    """Restores ``os.environ`` / thread count and destroys the process group an in-process
+    Trainer or Fabric run initialised (Lightning's strategy teardown keeps it alive)."""
+    env = dict(os.environ)
+    threads = torch.get_num_threads()
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(threads)

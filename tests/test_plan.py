@@ -96,7 +96,9 @@ def generic_factory():
     return _Recorder(_same_module_new_type)
 
 
-def _rule(name="r", match=("layers.*.proj",), module_type=nn.Linear, factory=None, **kwargs) -> ReplacementRule:
+def _rule(
+    name="r", match=("layers.0.proj", "layers.1.proj"), module_type=nn.Linear, factory=None, **kwargs
+) -> ReplacementRule:
     return ReplacementRule(
         name=name, match=match, module_type=module_type, replace_module=factory or linear_factory(), **kwargs
     )
@@ -216,7 +218,7 @@ def test_dsv3_16b_default_plan_replaces_exactly_the_low_precision_gemms(dsv3_16b
     model = dsv3_16b_meta
     linear, experts = linear_factory(), generic_factory()
     rules = _default_rules_with_test_factories(model.config, linear, experts)
-    assert all("*" not in glob for rule in rules for glob in rule.match)  # explicit full FQNs
+    assert all("*" not in fqn for rule in rules for fqn in rule.match)  # explicit full FQNs
     plan = compile_plan(model, rules, MXFP8)
     expected_counts = {"mla_projections": 28 * 4, "dense_mlp": 3, "shared_experts": 27 * 3, "routed_experts": 27}
     assert plan.counts == expected_counts
@@ -264,15 +266,17 @@ def test_dsv3_16b_default_plan_replaces_exactly_the_low_precision_gemms(dsv3_16b
     assert "model.layers.27.mlp.experts" in report.format(verbose=True)
 
 
-@pytest.mark.parametrize("spec", ["dsv3-16b", "dsv3-tiny"])
-def test_yaml_glob_form_selects_the_same_modules_as_the_explicit_default(spec, dsv3_16b_meta):
-    model = dsv3_16b_meta if spec == "dsv3-16b" else build_meta_model(spec)
-    explicit = compile_plan(model, deepseek_v3_default_rules(model.config), HIF8)
-    globbed = compile_plan(model, load_rules(PLAN_YAML), HIF8)
-    assert [e.fqns for e in explicit.entries] == [e.fqns for e in globbed.entries]
-    assert explicit.counts == globbed.counts
-    assert [r.factory_name for r in explicit.rules] == [r.factory_name for r in globbed.rules]
-    assert [r.module_type_name for r in explicit.rules] == [r.module_type_name for r in globbed.rules]
+def test_plan_yaml_is_the_adapter_default_of_dsv3_16b_by_full_fqn(dsv3_16b_meta):
+    """configs/plan_deepseek_v3.yaml is deepseek_v3_default_rules of the dsv3-16b config, written out."""
+    from_yaml = load_rules(PLAN_YAML)
+    assert from_yaml == deepseek_v3_default_rules(dsv3_16b_meta.config)
+    assert {r.name: len(r.match) for r in from_yaml} == {
+        "mla_projections": 112, "dense_mlp": 3, "shared_experts": 81, "routed_experts": 27}
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa" in from_yaml[0].match  # what `*_proj` globs missed
+    assert compile_plan(dsv3_16b_meta, from_yaml, HIF8).counts == {r.name: len(r.match) for r in from_yaml}
+    # Another layer count is another FQN list: the 16B file on dsv3-tiny has zero hits from layer 3 on.
+    with pytest.raises(ValueError, match=r"(?s)'mla_projections'.*'model\.layers\.3\.self_attn\.q_proj'"):
+        compile_plan(build_meta_model("dsv3-tiny"), from_yaml, HIF8)
 
 
 def test_default_rules_follow_q_lora_rank_and_dense_layer_count():
@@ -288,8 +292,8 @@ def test_default_rules_follow_q_lora_rank_and_dense_layer_count():
         "model.layers.0.self_attn.kv_b_proj",
         "model.layers.0.self_attn.o_proj",
     }
-    # The q_lora_rank-null glob file does not fit this model: zero hits on q_proj, with candidates.
-    with pytest.raises(ValueError, match=r"(?s)'mla_projections'.*model\.layers\.\*\.self_attn\.q_proj.*q_a_proj"):
+    # The q_lora_rank-null 16B file does not fit this model: zero hits on q_proj, with candidates.
+    with pytest.raises(ValueError, match=r"(?s)'mla_projections'.*model\.layers\.0\.self_attn\.q_proj.*q_a_proj"):
         compile_plan(model, load_rules(PLAN_YAML), MXFP8)
     # Explicit rules of another model version (more layers) fail too.
     deeper = _default_rules_with_test_factories(dataclasses.replace(_Cfg(), num_hidden_layers=6))
@@ -330,7 +334,7 @@ def test_plan_compiled_on_meta_applies_after_materialisation():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_zero_hit_glob_names_rule_glob_and_nearest_fqns():
+def test_zero_hit_fqn_names_rule_fqn_and_nearest_fqns():
     model = build_meta_model("dsv3-tiny")
     rule = _rule("mla_typo", match=("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.qproj"))
     with pytest.raises(ValueError) as info:
@@ -345,7 +349,7 @@ def test_zero_hit_glob_names_rule_glob_and_nearest_fqns():
 
 def test_two_rules_on_one_module_fail():
     model = _Toy()
-    rules = [_rule("first", match="layers.0.proj"), _rule("second", match="layers.*.proj")]
+    rules = [_rule("first", match="layers.0.proj"), _rule("second", match=("layers.1.proj", "layers.0.proj"))]
     with pytest.raises(ValueError, match=r"'layers\.0\.proj'.*two rules: 'first'.*'second'"):
         compile_plan(model, rules, MXFP8)
 
@@ -441,13 +445,13 @@ def test_never_replaced_deepseek_modules_are_refused(match, type_name, reason):
 
 
 def test_exclude_skips_with_reason_and_all_excluded_is_an_error():
-    plan = compile_plan(_Toy(), [_rule("proj", exclude="layers.1.*")], MXFP8)
+    plan = compile_plan(_Toy(), [_rule("proj", exclude="layers.1.proj")], MXFP8)
     assert [e.fqn for e in plan.entries] == ["layers.0.proj"]
     skipped = [(s.fqn, s.rule, s.reason) for s in plan.skipped]
-    assert skipped == [("layers.1.proj", "proj", "excluded by 'layers.1.*'")]
-    assert "skipped layers.1.proj [proj]: excluded by 'layers.1.*'" in plan.preview().format()
+    assert skipped == [("layers.1.proj", "proj", "excluded by 'layers.1.proj'")]
+    assert "skipped layers.1.proj [proj]: excluded by 'layers.1.proj'" in plan.preview().format()
     with pytest.raises(ValueError, match=r"'proj' is enabled but selects no module.*excluded"):
-        compile_plan(_Toy(), [_rule("proj", exclude="layers.*")], MXFP8)
+        compile_plan(_Toy(), [_rule("proj", exclude=("layers.0.proj", "layers.1.proj"))], MXFP8)
     # An excluded never-replaced module is fine: exclusion wins.
     plan = compile_plan(_Toy(), [_rule("heads", match=("mix", "lm_head"), exclude="lm_head")], MXFP8,
                         never_replace=_LM_HEAD)
@@ -465,9 +469,9 @@ def test_nested_selections_fail():
         compile_plan(model, rules, MXFP8)
 
 
-def test_root_and_bad_rules_fail():
-    with pytest.raises(ValueError, match="root module"):
-        compile_plan(_Toy(), [_rule("root", match="*", module_type=nn.Module, exact_type=False)], MXFP8)
+def test_bad_rules_fail():
+    with pytest.raises(ValueError, match="non-empty full module FQN"):  # the root module has the FQN ""
+        _rule("root", match="", module_type=nn.Module, exact_type=False)
     with pytest.raises(ValueError, match="unique"):
         compile_plan(_Toy(), [_rule("x"), _rule("x", match="mix")], MXFP8)
     with pytest.raises(TypeError, match="LowPrecisionPolicy"):
@@ -484,6 +488,10 @@ def test_root_and_bad_rules_fail():
         ({"match": ()}, ValueError, "`match` is empty"),
         ({"match": ("a", "a")}, ValueError, "more than once"),
         ({"match": (" a",)}, ValueError, "whitespace"),
+        ({"match": ("layers.*.proj",)}, ValueError, r"`match` entry 'layers\.\*\.proj' is a wildcard pattern.*§1\.1"),
+        ({"match": ("layers.?.proj",)}, ValueError, "wildcard"),
+        ({"match": ("layers.[01].proj",)}, ValueError, "wildcard"),
+        ({"exclude": ("layers.1.*",)}, ValueError, r"`exclude` entry 'layers\.1\.\*' is a wildcard"),
         ({"module_type": "Linear"}, ValueError, "dotted import path"),
         ({"module_type": 3}, TypeError, "module_type"),
         ({"replace_module": {"_target_": "a.b", "scale": 2}}, ValueError, "_target_"),
@@ -503,7 +511,7 @@ def test_rules_from_config_seed_layout():
     rules = rules_from_config(
         [
             {
-                "match": "model.layers.*.mlp.experts",
+                "match": "model.layers.1.mlp.experts",
                 "when": "low_precision",
                 "module_type": "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts",
                 "exact_type": True,
@@ -514,7 +522,7 @@ def test_rules_from_config_seed_layout():
         ]
     )
     assert [r.name for r in rules] == ["plan_overrides[0]", "linear"]
-    assert rules[0].match == ("model.layers.*.mlp.experts",)
+    assert rules[0].match == ("model.layers.1.mlp.experts",)
     assert rules[0].replace_module == "pkg.mod.replace_experts"
     assert rules[1].as_dict()["replace_module"] == {"_target_": "pkg.mod.replace_linear"}
     assert rules_from_config({"plan_overrides": [rules[1].as_dict()]}) == (rules[1],)
@@ -524,6 +532,9 @@ def test_rules_from_config_seed_layout():
         rules_from_config([{"match": "a"}])
     with pytest.raises(ValueError, match="unique"):
         rules_from_config([rules[1].as_dict(), rules[1].as_dict()])
+    globbed = {"match": ["model.layers.*.mlp"], "module_type": "torch.nn.Linear", "replace_module": "a.b"}
+    with pytest.raises(ValueError, match=r"rule 'plan_overrides\[0\]': `match` entry 'model\.layers\.\*\.mlp' is a"):
+        rules_from_config([globbed])
 
 
 def test_compile_dispatches_no_tensor_op(dsv3_16b_meta):
@@ -539,7 +550,7 @@ def test_compile_dispatches_no_tensor_op(dsv3_16b_meta):
     for model in (dsv3_16b_meta, _Toy()):
         rules = (
             _default_rules_with_test_factories(model.config) if isinstance(model, DeepseekV3ForCausalLM)
-            else [_rule("proj"), _rule("out", match="layers.*.out")]
+            else [_rule("proj"), _rule("out", match=("layers.0.out", "layers.1.out"))]
         )
         with CountOps() as counter:
             plan = compile_plan(model, rules, MXFP8)
@@ -562,7 +573,7 @@ def test_successful_apply_preserves_names_identity_flags_signature_and_output():
         fqn: str(inspect.signature(model.get_submodule(fqn).forward)) for fqn in ("layers.0.proj", "layers.1.out")
     }
     linear = linear_factory()
-    rules = [_rule("proj", factory=linear), _rule("out", match="layers.*.out", factory=linear)]
+    rules = [_rule("proj", factory=linear), _rule("out", match=("layers.0.out", "layers.1.out"), factory=linear)]
     plan = compile_plan(model, rules, HIF8)
     report = plan.apply(model)
 
@@ -583,7 +594,7 @@ def test_alias_fqns_replaced_once_and_installed_everywhere_sharing_preserved():
     weight_c, weight_a = model.c.weight, model.a.weight
     linear = linear_factory()
     plan = compile_plan(model, [_rule("all", match=("b", "c", "d"), factory=linear)], MXFP8)
-    entries = [(e.fqns, e.matched_globs) for e in plan.entries]
+    entries = [(e.fqns, e.matched_fqns) for e in plan.entries]
     assert entries == [(("a", "b"), ("b",)), (("c",), ("c",)), (("d",), ("d",))]
     before = _names(model)
     report = plan.apply(model)
@@ -660,7 +671,9 @@ def _drop_bias(source):
 def test_failed_apply_leaves_model_untouched(build_bad, error, pattern):
     model = _Toy()
     before = _snapshot(model)
-    rules = [_rule("proj", factory=_first_call_ok_then(build_bad)), _rule("out", match="layers.*.out")]
+    rules = [
+        _rule("proj", factory=_first_call_ok_then(build_bad)), _rule("out", match=("layers.0.out", "layers.1.out"))
+    ]
     plan = compile_plan(model, rules, MXFP8)
     with pytest.raises(error, match=pattern) as info:
         plan.apply(model)
@@ -686,7 +699,7 @@ def test_failed_install_rolls_back():
     model = nn.Sequential()
     model.add_module("picky", Picky())
     before = _snapshot(model)
-    plan = compile_plan(model, [_rule("all", match="picky.*")], MXFP8)
+    plan = compile_plan(model, [_rule("all", match=("picky.first", "picky.second"))], MXFP8)
     with pytest.raises(RuntimeError, match="parent refuses"):
         plan.apply(model)
     _assert_untouched(model, before)

@@ -11,7 +11,9 @@ expert). Uneven sharding (FSDP padding) and empty local shards are handled by th
 
 **Fallback** (:func:`plan_low_precision_sharding`): an illegal weight either fails at startup
 (``fallback_to_unsharded=false``; ``ValueError`` naming FQN, shape, world size and rule) or stays
-replicated (``true``). Replicated means: the owning module gets its own ``fully_shard`` over the
+replicated (``true``). :func:`planned_shard_violations` applies the rule to a meta model after
+``plan.apply``, so ``lp-lightning fit`` reports every illegal weight once, before launching (design
+spec §15); the per-rank check stays as a guard. Replicated means: the owning module gets its own ``fully_shard`` over the
 2-D mesh of :func:`replicated_fallback_mesh` — shape ``(W, 1)``, dims ``("dp_replicate",
 "dp_shard")`` — i.e. HSDP with a shard group of one rank. Every rank then holds the full master and
 the full low-precision storage, gradients are all-reduced over the replicate dim by FSDP2 (unlike
@@ -46,7 +48,11 @@ from torch import nn
 
 from lp_lightning.formats.spec import FormatSpec, WeightKind, as_spec, shard_rows
 from lp_lightning.integration.gather import GatherPolicy, current_gather_phase
-from lp_lightning.integration.weights import iter_low_precision_weights, local_low_precision_weight
+from lp_lightning.integration.weights import (
+    iter_low_precision_weights,
+    local_low_precision_weight,
+    low_precision_param_names,
+)
 from lp_lightning.tensor.weight import QuantizedWeightTensor
 
 __all__ = [
@@ -55,7 +61,9 @@ __all__ = [
     "check_shard_legality",
     "current_gather_phase",
     "gather_policy_for",
+    "illegal_shards_error",
     "plan_low_precision_sharding",
+    "planned_shard_violations",
     "replicated_fallback_mesh",
     "set_gather_policy",
     "shard_rows",
@@ -165,11 +173,7 @@ def plan_low_precision_sharding(
             module_fqn = fqn.rpartition(".")[0]
             replicated.append(ReplicatedWeight(fqn, module_fqn, tuple(param.shape), reason))
     if replicated and not fallback_to_unsharded:
-        lines = "\n  ".join(w.reason for w in replicated)
-        raise ValueError(
-            f"{len(replicated)} low-precision weight(s) cannot be sharded over {world_size} ranks (design spec §9.1):\n  "
-            f"{lines}\nSet fsdp_config.fallback_to_unsharded=true to replicate them, or change the world size."
-        )
+        raise illegal_shards_error(replicated, world_size)
     # A replicated module's other low-precision weights go with it (one fully_shard unit per module).
     moved = {w.module_fqn for w in replicated}
     keep = [fqn for fqn in sharded if fqn.rpartition(".")[0] not in moved]
@@ -178,6 +182,68 @@ def plan_low_precision_sharding(
             reason = f"{fqn}: shares its module with a replicated weight"
             replicated.append(ReplicatedWeight(fqn, fqn.rpartition(".")[0], tuple(param.shape), reason))
     return LowPrecisionShardingPlan(world_size=world_size, sharded=tuple(keep), replicated=tuple(replicated))
+
+
+def illegal_shards_error(violations: Iterable[ReplicatedWeight], world_size: int) -> ValueError:
+    """The error for illegal shards with ``fallback_to_unsharded=false``: each weight, shape, rows per rank, the fix.
+
+    One message for the launch check (:func:`planned_shard_violations`) and the per-rank guard
+    (:func:`plan_low_precision_sharding`), so both say the same.
+    """
+    violations = list(violations)
+    lines = "\n  ".join(w.reason for w in violations)
+    return ValueError(
+        f"{len(violations)} low-precision weight(s) cannot be sharded over {world_size} ranks (design spec §9.1) "
+        f"and fsdp_config.fallback_to_unsharded is false:\n  {lines}\nSet `fsdp_config.fallback_to_unsharded: true` "
+        "(they stay replicated; their GEMMs stay low precision) or use another data-parallel size "
+        "(trainer.devices x trainer.num_nodes)."
+    )
+
+
+def planned_shard_violations(
+    module: nn.Module, world_size: int, format: FormatSpec | str
+) -> tuple[ReplicatedWeight, ...]:
+    """The shard-rule violations of the weights a replacement plan made low precision, before finalize.
+
+    For the launch check (design spec §15 "illegal shard"): run it on the meta twin after
+    ``plan.apply`` (structure only; the replaced modules declare their low-precision parameters,
+    :func:`~lp_lightning.integration.weights.low_precision_param_names`), so an illegal layout fails
+    once, before any process or model exists. :func:`plan_low_precision_sharding` applies the same
+    rule to the finalized weights on every rank.
+
+    Args:
+        module: A model (any device, meta included) after ``plan.apply``; not finalized.
+        world_size: FSDP shard-group size.
+        format: The run's format (``FormatSpec`` or registered name).
+
+    Returns:
+        One :class:`ReplicatedWeight` per illegal weight (FQN, owning module, shape, rule), in module
+        order; ``()`` when every weight shards legally.
+
+    Raises:
+        ValueError: a module declares a low-precision parameter it does not have; see
+            :func:`check_shard_legality`.
+    """
+    violations: list[ReplicatedWeight] = []
+    seen: set[int] = set()
+    for module_fqn, sub in module.named_modules():
+        found = low_precision_param_names(sub)
+        if found is None:
+            continue
+        names, kind = found
+        params = dict(sub.named_parameters(recurse=False))
+        for name in names:
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            if name not in params:
+                raise ValueError(f"{fqn}: {type(sub).__name__} declares low-precision parameter {name!r} but has none.")
+            if id(params[name]) in seen:
+                continue
+            seen.add(id(params[name]))
+            shape = tuple(params[name].shape)
+            reason = check_shard_legality(fqn, shape, kind, world_size, format)
+            if reason is not None:
+                violations.append(ReplicatedWeight(fqn, module_fqn, shape, reason))
+    return tuple(violations)
 
 
 def replicated_fallback_mesh(device_type: str, world_size: int) -> torch.distributed.device_mesh.DeviceMesh:

@@ -64,7 +64,7 @@ from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, Precisio
 if TYPE_CHECKING:
     from lp_lightning.models.adapter import ModelAdapter
     from lp_lightning.ops.gate import StartupGateResult
-    from lp_lightning.plan import ReplacementReport, ReplacementRule
+    from lp_lightning.plan import ModuleReplacementPlan, ReplacementReport, ReplacementRule
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -289,6 +289,38 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             return plan.load_rules(self.plan_rules)
         return tuple(self.plan_rules)
 
+    def compile_plan(self, meta: nn.Module) -> ModuleReplacementPlan:
+        """This run's replacement plan compiled on a structure-only model (design spec §5, §12.1 step 3).
+
+        What :meth:`convert_module` applies, and what ``lp-lightning fit`` compiles once at launch on
+        the meta model of its config (design spec §15: zero hits, wrong types and rule conflicts fail
+        there, before any process starts).
+
+        Args:
+            meta: The model's meta twin (its adapter's ``build_meta_model``/``build_meta_twin``), or any
+                model with the same module tree.
+
+        Returns:
+            The compiled plan (empty when the policy is disabled).
+
+        Raises:
+            TypeError, ValueError, ImportError: from :func:`~lp_lightning.plan.compile_plan` (a rule
+                with zero hits, a module of the wrong type, two rules on one module, ...) or when no
+                model adapter describes ``meta``.
+        """
+        from lp_lightning.models.adapter import adapter_for
+        from lp_lightning.plan import compile_plan
+
+        adapter = adapter_for(meta)
+        causal_lm = adapter.causal_lm(meta)
+        return compile_plan(
+            causal_lm,
+            self._rules(adapter, causal_lm.config),
+            self.policy,
+            never_replace=adapter.never_replace,
+            glob_hint=adapter.glob_hint,
+        )
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Replace the planned modules and finalize their weights; the strategy calls it before sharding.
@@ -317,21 +349,12 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             return module
         from lp_lightning import integration as lp_weight
         from lp_lightning.models.adapter import adapter_for
-        from lp_lightning.plan import compile_plan
 
         adapter = adapter_for(module)
         causal_lm = adapter.causal_lm(module)
         if self.replacement_report is not None:
             raise RuntimeError(f"{type(self).__name__}.convert_module ran twice; the model is already converted.")
-        meta = adapter.build_meta_twin(causal_lm)
-        plan = compile_plan(
-            meta,
-            self._rules(adapter, causal_lm.config),
-            self.policy,
-            never_replace=adapter.never_replace,
-            glob_hint=adapter.glob_hint,
-        )
-        del meta
+        plan = self.compile_plan(adapter.build_meta_twin(causal_lm))
         report = plan.apply(causal_lm)
         sharded_later = self._gather_policy is not None
         records = lp_weight.finalize_low_precision_weights(

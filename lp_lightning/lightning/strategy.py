@@ -20,7 +20,10 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   masters (design spec §11); each applied optimizer step refreshes them once (the plugin's
   ``optimizer_step``);
 * DCP checkpoints whose model keys are the HF names and whose optimizer view is keyed by the
-  same names (:mod:`lp_lightning.distributed.checkpoint`).
+  same names (:mod:`lp_lightning.distributed.checkpoint`);
+* the optimizer must be ``torch.optim.AdamW`` over the FP32 masters with FP32 moments, checked when
+  the Trainer creates it (``configure_optimizers``) and when ``fabric.setup_optimizers`` receives it
+  (:func:`~lp_lightning.distributed.optimizer.check_optimizer`, design spec §15).
 
 The LightningModule must hold the HF causal LM at ``.model`` (a model type with a registered
 :class:`~lp_lightning.models.adapter.ModelAdapter`, which says where its decoder layers are) and may
@@ -79,6 +82,7 @@ from lp_lightning.distributed.fsdp import (
     parallelize_causal_lm,
     process_group_backend_for,
 )
+from lp_lightning.distributed.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
 
@@ -293,6 +297,18 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         self.setup_precision_plugin()
 
     @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Creates the ``configure_optimizers`` result, then checks it (design spec §15).
+
+        Raises:
+            TypeError: An optimizer is not ``torch.optim.AdamW``.
+            ValueError: It holds a non-FP32 parameter or moment (see ``check_optimizer``).
+        """
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            check_optimizer(optimizer)
+
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded model view keyed by HF names (no LightningModule attribute prefix)."""
         return model_state_dict(self._causal_lm())
@@ -428,6 +444,17 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
         assert parallel_lm is causal_lm
         self._record_parallelization(record)
         return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Checks an optimizer ``fabric.setup_optimizers`` hands over (design spec §15), then sets it up.
+
+        Raises:
+            TypeError: ``optimizer`` is not ``torch.optim.AdamW``.
+            ValueError: It holds a non-FP32 parameter or moment (see ``check_optimizer``).
+        """
+        check_optimizer(optimizer)
+        return super().setup_optimizer(optimizer)
 
     @override
     def setup_module_and_optimizers(

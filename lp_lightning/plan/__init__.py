@@ -22,23 +22,24 @@ Lifecycle (design spec §5, §12.1 steps 2-5)::
 
 Matching rules (one mechanism):
 
-- ``match`` / ``exclude`` are :func:`fnmatch.fnmatchcase` globs over fully qualified module names
-  (FQNs) from ``model.named_modules(remove_duplicate=False)``. ``*`` crosses dots
-  (``model.layers.*.mlp.experts`` would also match ``model.layers.1.x.mlp.experts``), which is why
-  a model adapter's default rules list every target by its full FQN (design spec §1.1, §4.3).
-- A module reachable under several FQNs (aliases) is one target: it is matched if any of its FQNs
-  matches, skipped if any matches an ``exclude`` glob, replaced once, and the single replacement
-  is installed at every FQN.
+- ``match`` / ``exclude`` list full module FQNs from ``model.named_modules(remove_duplicate=False)``
+  (design spec §1.1: "targets are listed by full FQN; no ``*_proj`` wildcard"). An entry holding a
+  wildcard (``*``, ``?``, ``[``) is refused when the rule is built: ``model.layers.*.self_attn.*_proj``
+  would silently miss ``kv_a_proj_with_mqa``. A model adapter's default rules list every target
+  of the model's config; only its never-replace rules (the boundary, not targets) use globs.
+- A module reachable under several FQNs (aliases) is one target: it is matched if ``match`` names
+  any of its FQNs, skipped if ``exclude`` names any, replaced once, and the single replacement is
+  installed at every FQN.
 - ``module_type`` is an assertion, not a filter: every module a rule selects must be exactly that
   type (``exact_type=True``: ``type(module) is module_type``) or an instance of it
   (``exact_type=False``); anything else (a ``nn.Linear`` subclass, a PEFT/LoRA or custom wrapper)
   is a ``TypeError`` naming the FQN (design spec §15: unsupported modules fail, they are not replaced
   blindly).
-- Errors at compile time: a glob of an active rule that matches no FQN (with the nearest FQNs as
-  candidates), a rule that selects nothing, two rules on one module, one selected module inside
+- Errors at compile time: a ``match`` FQN of an active rule that names no module (with the nearest
+  FQNs as candidates), a rule that selects nothing, two rules on one module, one selected module inside
   another, a selected module that is or contains a never-replaced module (design spec §1.1: the
   plan always refuses embeddings and normalization modules; LM head, MoE router, rotary embedding,
-  core attention and the like are the ``never_replace`` rules of the model's adapter), the root module.
+  core attention and the like are the ``never_replace`` rules of the model's adapter).
 - ``when: low_precision`` rules are active only when ``policy.enabled``. With ``enabled=False``
   :func:`compile_plan` returns an empty plan without scanning the model or importing anything,
   and :meth:`ModuleReplacementPlan.apply` calls nothing (design spec §4.3, §13.1).

@@ -170,7 +170,7 @@ class ModuleReplacementPlan:
         policy: Passed to every factory.
         rules: The rules it was compiled from.
         entries: Modules to replace, in ``named_modules`` order.
-        skipped: Modules a glob hit but an ``exclude`` glob removed.
+        skipped: Modules a rule's ``match`` named but its ``exclude`` removed.
         inactive_rules: ``(rule name, reason)`` for rules that were not evaluated.
         never_replace: The model's never-replace rules the compile step enforced (besides the
             plan's own embedding/normalization denials).
@@ -229,8 +229,9 @@ class ModuleReplacementPlan:
             if type(group.module) is not entry.source_type:
                 raise TypeError(
                     f"plan.apply: module {entry.fqn!r} is {_type_name(type(group.module))} but was "
-                    f"{_type_name(entry.source_type)} at compile time (rule {entry.rule.name!r}); was the "
-                    "model converted twice or modified after compile_plan?"
+                    f"{_type_name(entry.source_type)} at compile time (rule {entry.rule.name!r}). A subclass or "
+                    "PEFT/custom wrapper at a target FQN is never replaced (design spec §15): remove it; or the model "
+                    "was converted twice or changed after compile_plan."
                 )
             if tuple(group.fqns) != entry.fqns:
                 raise ValueError(

@@ -2,7 +2,7 @@
 
 :func:`compile_plan` reads only ``named_modules(remove_duplicate=False)`` and module types, in named
 steps: check the arguments (:func:`_check_arguments`), then per rule resolve its ``module_type``,
-collect the modules its globs hit (:func:`_glob_hits`) and select them (:func:`_select`: root,
+look up the modules its full FQNs name (:func:`_match_hits`) and select them (:func:`_select`:
 ``exclude``, never-replaced boundary, type, one rule per module), and finally refuse nested
 selections (:func:`_check_not_nested`). The model's never-replace rules
 (:class:`~lp_lightning.plan.rules.NeverReplaceRule`) are data the caller passes, normally
@@ -95,8 +95,7 @@ def _check_boundary(group: _AliasGroup, rule: ReplacementRule, never_replace: Se
                 where = "is" if not sub_name else f"contains {fqn!r}, which is"
                 raise ValueError(
                     f"rule {rule.name!r} selects {primary!r}, which {where} a {reason} module "
-                    f"({_type_name(type(sub))}); {_BOUNDARY_HINT}. Narrow the rule's `match` globs "
-                    "or add an `exclude` glob."
+                    f"({_type_name(type(sub))}); {_BOUNDARY_HINT}. Remove {primary!r} from the rule's `match`."
                 )
 
 
@@ -119,27 +118,27 @@ def _check_type(group: _AliasGroup, rule: ReplacementRule, required: type) -> No
         detail = f" It wraps {_type_name(required)} at {wrapped[:3]} (a PEFT/LoRA or custom wrapper)."
     raise TypeError(
         f"rule {rule.name!r}: module {fqn!r} is {_type_name(type(module))}, but the rule requires "
-        f"{relation}.{detail} Fix the `match` globs, add an `exclude` glob, or remove the wrapper (design "
-        "spec §15)."
+        f"{relation}.{detail} It is not replaced: remove {fqn!r} from `match` or add it to `exclude`, or "
+        "remove the wrapper (design spec §15)."
     )
 
 
 def _zero_hit_error(
-    rule: ReplacementRule, globs: list[str], fqns: Sequence[str], glob_hint: str | None
+    rule: ReplacementRule, missing: list[str], fqns: Sequence[str], glob_hint: str | None
 ) -> ValueError:
     lines = [
         f"rule {rule.name!r} ({rule.module_type_name} -> {rule.factory_name}) is enabled but "
-        f"{len(globs)} of its `match` globs match no module FQN (design spec §4.3: zero hits are an error):"
+        f"{len(missing)} of its `match` FQNs name no module (design spec §4.3: zero hits are an error):"
     ]
-    for glob in globs[:10]:
-        nearest = difflib.get_close_matches(glob, fqns, n=_MAX_CANDIDATES, cutoff=0.0)
-        lines.append(f"  {glob!r}; nearest FQNs: {nearest}")
-    if len(globs) > 10:
-        lines.append(f"  ... and {len(globs) - 10} more: {globs[10:]}")
+    for fqn in missing[:10]:
+        nearest = difflib.get_close_matches(fqn, fqns, n=_MAX_CANDIDATES, cutoff=0.0)
+        lines.append(f"  {fqn!r}; nearest FQNs: {nearest}")
+    if len(missing) > 10:
+        lines.append(f"  ... and {len(missing) - 10} more, from {missing[10]!r} to {missing[-1]!r}")
     hint = f" ({glob_hint})" if glob_hint else ""
     lines.append(
         "Print the candidates with `for fqn, m in model.named_modules(): print(fqn, type(m).__name__)` "
-        f"on the meta model and fix the globs{hint}."
+        f"on the meta model and fix the FQNs{hint}."
     )
     return ValueError("\n".join(lines))
 
@@ -173,26 +172,16 @@ def _check_arguments(
     return rules, never_replace  # type: ignore[return-value]
 
 
-def _glob_hits(
+def _match_hits(
     rule: ReplacementRule, by_fqn: dict[str, _AliasGroup], glob_hint: str | None
 ) -> dict[int, list[str]]:
-    """``id(module) -> [globs of rule.match that hit it]``; a glob without a hit is an error."""
-    all_fqns = list(by_fqn)
+    """``id(module) -> [entries of rule.match that name it]`` (aliases: several); a missing FQN is an error."""
     hits: dict[int, list[str]] = {}
-    zero_hit: list[str] = []
-    for glob in rule.match:
-        if any(ch in glob for ch in "*?["):
-            glob_hits = [fqn for fqn in all_fqns if fnmatchcase(fqn, glob)]
-        else:
-            glob_hits = [glob] if glob in by_fqn else []
-        if not glob_hits:
-            zero_hit.append(glob)
-        for fqn in glob_hits:
-            globs = hits.setdefault(id(by_fqn[fqn].module), [])
-            if glob not in globs:
-                globs.append(glob)
-    if zero_hit:
-        raise _zero_hit_error(rule, zero_hit, all_fqns, glob_hint)
+    missing = [fqn for fqn in rule.match if fqn not in by_fqn]
+    if missing:
+        raise _zero_hit_error(rule, missing, list(by_fqn), glob_hint)
+    for fqn in rule.match:
+        hits.setdefault(id(by_fqn[fqn].module), []).append(fqn)
     return hits
 
 
@@ -210,14 +199,7 @@ def _select(
     num_selected = 0
     for module_id in sorted(hits, key=order.__getitem__):
         group = by_id[module_id]
-        if "" in group.fqns:
-            raise ValueError(
-                f"rule {rule.name!r} selects the root module (globs {hits[module_id]}); the plan "
-                "replaces submodules only."
-            )
-        excluded_by = next(
-            (glob for glob in rule.exclude for fqn in group.fqns if fnmatchcase(fqn, glob)), None
-        )
+        excluded_by = next((fqn for fqn in rule.exclude if fqn in group.fqns), None)
         if excluded_by is not None:
             skipped.append(SkippedModule(group.fqns[0], rule.name, f"excluded by {excluded_by!r}"))
             continue
@@ -227,22 +209,22 @@ def _select(
         if previous is not None:
             raise ValueError(
                 f"module {group.fqns[0]!r} (FQNs {group.fqns}) is selected by two rules: "
-                f"{previous.rule.name!r} ({previous.rule.factory_name}, via {list(previous.matched_globs)}) "
-                f"and {rule.name!r} ({rule.factory_name}, via {hits[module_id]}). Narrow one rule's globs or add "
-                "an `exclude` glob."
+                f"{previous.rule.name!r} ({previous.rule.factory_name}, via {list(previous.matched_fqns)}) "
+                f"and {rule.name!r} ({rule.factory_name}, via {hits[module_id]}). Remove it from one rule's "
+                "`match`."
             )
         selected[module_id] = PlannedReplacement(
             fqns=tuple(group.fqns),
             rule=rule,
             source_type=type(group.module),
-            matched_globs=tuple(hits[module_id]),
+            matched_fqns=tuple(hits[module_id]),
         )
         num_selected += 1
     if num_selected == 0:
         raise ValueError(
-            f"rule {rule.name!r} is enabled but selects no module: every module its globs match is "
+            f"rule {rule.name!r} is enabled but selects no module: every module its `match` names is "
             f"excluded by {list(rule.exclude)} (design spec §4.3: zero hits are an error). Remove the rule "
-            "or narrow `exclude`."
+            "or shorten `exclude`."
         )
 
 
@@ -290,9 +272,9 @@ def compile_plan(
         TypeError: wrong argument types; a selected module whose type is not the rule's
             ``module_type`` (subclass / wrapper where exact type is required), naming the FQN,
             the actual and the required type.
-        ValueError: a glob with zero hits (with up to 5 nearest FQNs), a rule selecting nothing
+        ValueError: a `match` FQN naming no module (with up to 5 nearest FQNs), a rule selecting nothing
             after ``exclude``, a module selected by two rules, nested selections, a selected
-            module that is or contains a never-replaced module, the root module selected,
+            module that is or contains a never-replaced module,
             duplicate rule names, an unresolvable ``module_type``.
         ImportError: importing a ``module_type`` module failed.
     """
@@ -310,7 +292,7 @@ def compile_plan(
     skipped: list[SkippedModule] = []
     for rule in rules:
         required = _resolve_module_type(rule)
-        hits = _glob_hits(rule, by_fqn, glob_hint)
+        hits = _match_hits(rule, by_fqn, glob_hint)
         _select(rule, required, hits, by_id, order, never_replace, selected, skipped)
     _check_not_nested(selected, by_id)
 

@@ -28,13 +28,13 @@ class PlannedReplacement:
             replacement.
         rule: The rule that selected it.
         source_type: ``type(module)`` at compile time (re-checked at apply time).
-        matched_globs: The rule's ``match`` globs that hit one of ``fqns``.
+        matched_fqns: The entries of the rule's ``match`` that name one of ``fqns``.
     """
 
     fqns: tuple[str, ...]
     rule: ReplacementRule
     source_type: type
-    matched_globs: tuple[str, ...]
+    matched_fqns: tuple[str, ...]
 
     @property
     def fqn(self) -> str:
@@ -49,7 +49,7 @@ class PlannedReplacement:
 
 @dataclass(frozen=True)
 class SkippedModule:
-    """A module a rule's ``match`` glob hit but the plan leaves alone, with the reason."""
+    """A module a rule's ``match`` names but the plan leaves alone (``exclude``), with the reason."""
 
     fqn: str
     rule: str
@@ -93,7 +93,7 @@ class ReplacementReport:
             :meth:`ModuleReplacementPlan.preview`.
         rule_names: Every rule of the plan, in order (counts are reported for each, zeros included).
         replaced: One entry per replaced module object (aliases folded in), in ``named_modules`` order.
-        skipped: Modules a ``match`` glob hit that were left alone, with the reason.
+        skipped: Modules a rule's ``match`` named that were left alone, with the reason.
         inactive_rules: ``(rule name, reason)`` for rules that did not run (e.g. low precision off).
     """
 

@@ -1,7 +1,7 @@
 """Replacement rules: which modules a factory replaces, and which modules are never replaced (design spec §4.3, §1.1).
 
-:class:`ReplacementRule` is one ``plan_overrides`` entry (FQN globs, the asserted module type, the
-factory by dotted path); :func:`rules_from_config` / :func:`load_rules` build them from the design
+:class:`ReplacementRule` is one ``plan_overrides`` entry (full module FQNs, the asserted module type,
+the factory by dotted path); :func:`rules_from_config` / :func:`load_rules` build them from the design
 spec's YAML layout. :class:`NeverReplaceRule` is a model's boundary (embedding, LM head, router, ...)
 that :func:`~lp_lightning.plan.compile_plan` enforces; the model adapter
 (:mod:`lp_lightning.models.adapter`) provides them as data. Nothing here imports a factory or a
@@ -52,25 +52,35 @@ def _callable_name(obj: Callable[..., Any]) -> str:
     return f"{module}.{qualname}"
 
 
-def _as_glob_tuple(value: object, *, rule: str, key: str, allow_empty: bool) -> tuple[str, ...]:
-    globs = (value,) if isinstance(value, str) else value
-    if not isinstance(globs, Iterable) or isinstance(globs, Mapping):
-        raise TypeError(
-            f"rule {rule!r}: `{key}` must be a glob string or a list of them, got {type(value).__name__}."
-        )
-    globs = tuple(globs)
-    if not globs and not allow_empty:
-        raise ValueError(f"rule {rule!r}: `{key}` is empty; give at least one FQN or glob.")
-    for glob in globs:
-        if not isinstance(glob, str) or not glob or glob != glob.strip():
+_WILDCARDS = "*?["
+"""fnmatch's special characters: a ``match``/``exclude`` entry holding one is a pattern, not a full FQN."""
+
+
+def _as_name_tuple(value: object, *, rule: str, key: str, allow_empty: bool, wildcards: bool) -> tuple[str, ...]:
+    """``value`` (one string or a list) as a tuple of names; ``wildcards=False``: full FQNs only."""
+    what = "glob" if wildcards else "full module FQN"
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, Iterable) or isinstance(names, Mapping):
+        raise TypeError(f"rule {rule!r}: `{key}` must be a {what} or a list of them, got {type(value).__name__}.")
+    names = tuple(names)
+    if not names and not allow_empty:
+        raise ValueError(f"rule {rule!r}: `{key}` is empty; give at least one {what}.")
+    for name in names:
+        if not isinstance(name, str) or not name or name != name.strip():
             raise ValueError(
-                f"rule {rule!r}: every `{key}` entry must be a non-empty FQN glob without surrounding "
-                f"whitespace, got {glob!r}."
+                f"rule {rule!r}: every `{key}` entry must be a non-empty {what} without surrounding "
+                f"whitespace, got {name!r}."
             )
-    if len(set(globs)) != len(globs):
-        dupes = sorted({g for g in globs if globs.count(g) > 1})
+        if not wildcards and any(ch in name for ch in _WILDCARDS):
+            raise ValueError(
+                f"rule {rule!r}: `{key}` entry {name!r} is a wildcard pattern; design spec §1.1 requires every "
+                "target listed by its full FQN (no `*`, `?` or `[`). List each module, e.g. as the model "
+                "adapter's default rules do."
+            )
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"rule {rule!r}: `{key}` lists {dupes} more than once.")
-    return globs
+    return names
 
 
 def _check_dotted(path: object, *, rule: str, key: str) -> str:
@@ -84,25 +94,27 @@ def _check_dotted(path: object, *, rule: str, key: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ReplacementRule:
-    """One ``plan_overrides`` entry: which modules (FQN globs) a factory replaces (design spec §4.3).
+    """One ``plan_overrides`` entry: which modules (full FQNs) a factory replaces (design spec §4.3).
 
     Args:
         name: Rule name used in errors, counts and the report (e.g. ``"mla_projections"``).
-        match: FQN glob(s) (:func:`fnmatch.fnmatchcase`; ``*`` crosses dots). Each glob of an
-            active rule must match at least one FQN.
+        match: Full module FQN(s) from ``named_modules()`` (``"model.layers.0.mlp.gate_proj"``).
+            Design spec §1.1 lists targets by full FQN, so an entry holding a wildcard (``*``,
+            ``?``, ``[``) is refused: ``*_proj`` would also silently miss or add modules. Each entry
+            of an active rule must name an existing module.
         module_type: The type every selected module must have: a class or its dotted import path
             (``"torch.nn.Linear"``), resolved at compile time with :mod:`importlib`.
         replace_module: The factory ``factory(source, *, fqn, policy) -> nn.Module``: a dotted
             path, the design spec's ``{"_target_": "dotted.path"}`` mapping, or a callable. Paths are
             imported only by :meth:`ModuleReplacementPlan.apply`.
-        exclude: FQN glob(s) whose modules this rule skips (reported with the glob as reason).
+        exclude: Full FQN(s) among ``match`` that this rule skips (reported as skipped).
         exact_type: ``True``: ``type(module) is module_type`` (subclasses and wrappers fail);
             ``False``: ``isinstance(module, module_type)``.
         when: Activation condition; only ``"low_precision"`` (active iff the policy is enabled).
 
     Raises:
         TypeError: a field has the wrong type.
-        ValueError: an empty/duplicated glob list, a malformed dotted path, a ``replace_module``
+        ValueError: an empty/duplicated FQN list, a wildcard entry, a malformed dotted path, a ``replace_module``
             mapping with keys other than ``_target_``, or an unknown ``when``.
     """
 
@@ -118,10 +130,9 @@ class ReplacementRule:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"ReplacementRule.name must be a non-empty string, got {self.name!r}.")
         rule = self.name
-        object.__setattr__(self, "match", _as_glob_tuple(self.match, rule=rule, key="match", allow_empty=False))
-        object.__setattr__(
-            self, "exclude", _as_glob_tuple(self.exclude, rule=rule, key="exclude", allow_empty=True)
-        )
+        for key, allow_empty in (("match", False), ("exclude", True)):
+            names = _as_name_tuple(getattr(self, key), rule=rule, key=key, allow_empty=allow_empty, wildcards=False)
+            object.__setattr__(self, key, names)
         if isinstance(self.module_type, str):
             _check_dotted(self.module_type, rule=rule, key="module_type")
         elif not isinstance(self.module_type, type):
@@ -240,7 +251,8 @@ class NeverReplaceRule:
             raise ValueError(f"NeverReplaceRule.reason must be a non-empty string, got {self.reason!r}.")
         where = f"never-replace {self.reason}"
         for key in ("fqn_globs", "type_names"):
-            object.__setattr__(self, key, _as_glob_tuple(getattr(self, key), rule=where, key=key, allow_empty=True))
+            names = _as_name_tuple(getattr(self, key), rule=where, key=key, allow_empty=True, wildcards=True)
+            object.__setattr__(self, key, names)
         if not self.fqn_globs and not self.type_names:
             raise ValueError(f"rule {where!r}: give at least one of `fqn_globs`, `type_names`.")
 

@@ -314,7 +314,7 @@ def test_plan_low_precision_sharding_fails_or_replicates_illegal_weights():
         plan_low_precision_sharding(model, 2, fallback_to_unsharded=False)
     text = str(info.value)
     for piece in ("2 low-precision weight(s)", "bad.weight: shape (96, 64) over world size 2", "M_local % 64",
-                  "experts.weight: shape (4, 48, 32)", "fallback_to_unsharded=true"):
+                  "experts.weight: shape (4, 48, 32)", "fallback_to_unsharded: true"):
         assert piece in text, piece
     plan = plan_low_precision_sharding(model, 2, fallback_to_unsharded=True)
     assert plan.sharded == ("ok.weight",) and plan.replicated_modules == ("bad", "experts")

@@ -127,6 +127,6 @@ def test_default_rules_and_boundary_are_the_deepseek_ones(tiny):
     ]
     # The zero-hit error carries the adapter's advice (q_lora_rank set: q_a_proj/q_b_proj, no q_proj).
     meta = build_meta_model("dsv3-tiny", config_overrides={"q_lora_rank": 64})
-    with pytest.raises(ValueError, match=r"fix the globs \(for DeepSeek-V3, q_lora_rank set means q_a_proj"):
+    with pytest.raises(ValueError, match=r"fix the FQNs \(for DeepSeek-V3, q_lora_rank set means q_a_proj"):
         compile_plan(meta, load_rules(PLAN_YAML), MXFP8,
                      never_replace=DEEPSEEK_V3.never_replace, glob_hint=DEEPSEEK_V3.glob_hint)

@@ -114,7 +114,7 @@ def deepseek_v3_default_rules(
     - ``routed_experts``: ``mlp.experts`` of the MoE layers, exact ``DeepseekV3Experts``.
 
     For the frozen 16B spec (28 layers, 1 dense, q_lora_rank null) that is 112 / 3 / 81 / 27
-    targets. The glob form of the same plan is ``configs/plan_deepseek_v3.yaml``.
+    targets; ``configs/plan_deepseek_v3.yaml`` is the same plan for dsv3-16b as a ``plan_overrides`` YAML.
 
     Args:
         config: A ``DeepseekV3Config`` (or a mapping) with ``num_hidden_layers``,
