@@ -30,7 +30,8 @@ dgrad) and an exactly zero ``[K, N]`` slice (wgrad). This is design spec §8's o
 weight row for Dense / col for Grouped, dgrad weight col for Dense / row for Grouped.
 
 Quantisation goes through the backend too (:func:`quantize`, :func:`quantize_dual`): the
-``emulated`` backend runs the quantizer's portable codec, ``npu`` torch_npu's quantize ops.
+``emulated`` backend runs the quantizer's portable codec, ``npu`` torch_npu's quantize ops (MXFP8:
+the dynamic MX quant ops; HiF8: the quantizer's amax and scale, codes from ``npu_quantize``).
 Backends and their choice (``auto``, ``emulated``, ``npu``): :mod:`lp_lightning.ops.backend`.
 
 Tensor-name legend: ``M`` rows, ``K`` contraction, ``N`` output columns, ``T`` tokens, ``E``
@@ -87,7 +88,8 @@ def quantize(
         backend: Optional per-call backend.
 
     Returns:
-        The operand, bit-identical on every backend (the portable codec is the reference).
+        The operand; the portable codec is the reference every backend must match bit for bit
+        (the npu backend's open points are listed in docs/formats.md §3.3).
 
     Raises:
         TypeError, ValueError: as the quantizer.

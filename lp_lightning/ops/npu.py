@@ -23,6 +23,10 @@ MXFP8 quantize      ``npu_dynamic_mx_quant(x, axis=-1|-2, dst_type=torch.float8_
                     scale_alg=1)`` (RCEIL), ``npu_dynamic_mx_quant_with_dual_axis`` (FP16/BF16
                     only, per its docs: an FP32 master gets one single-axis call per axis),
                     ``npu_grouped_dynamic_mx_quant`` (wgrad col operands, FP16/BF16 only)
+HiF8 quantize       ``npu_quantize(x_fp32, scale, None, torch_npu.hifloat8, axis=-1,
+                    div_mode=True)`` with our FP32 scale ``[1]`` (1-D/2-D tensors), or
+                    ``axis=0`` and scale ``[E]`` for a 3-D ``[E, D1, D2]`` weight; one call,
+                    also for the dual quantisation (one code tensor serves both orientations)
 ==================  ====================================================================
 
 A transposed operand is passed as a transposed *view* (``t.transpose(-2, -1)``), never a copy,
@@ -48,15 +52,26 @@ Dtype arguments: the schemas type ``output_dtype``, ``dst_type`` and the ``*_dty
 ``torch_npu.float8_e8m0fnu`` / ``torch_npu.hifloat8`` are already ints (293, 290). So the wrappers
 pass torch dtypes for data/output types and torch_npu's ints for its custom types.
 
-HiF8 quantisation stays on the portable codec (``HiF8Quantizer``), because neither torch_npu quant
-op reproduces the binding HiF8 rule (docs/formats.md "Decisions": FP32 ``scale = amax / format_max``,
-``data = encode(x32 / scale)``) bit for bit (docs/formats.md §3.3, from the ops-nn Ascend 950
-kernels): ``npu_dynamic_quant(quant_mode="pertensor", dst_type=hifloat8, dst_type_max=...)``
-computes its scale as ``max|x| · fl(1 / dst_type_max)``, which differs from ``amax / 15`` /
-``amax / 224`` in the last bit for most amax values, and gives scale 0 for an all-zero tensor;
-``npu_quantize(div_mode=True)`` with our scale divides with the ≤ 1-ulp vector ``Div``, not the
-correctly rounded division, so codes can differ where ``x / scale`` sits next to a HiF8 rounding
-boundary. Every other call goes to torch_npu.
+HiF8 quantisation (design spec §15: "current quant, quant with a given scale") is our recipe with
+torch_npu computing the codes (docs/formats.md "Decisions", §3.3): amax is a torch reduction on the
+device (the quantizer's ``compute_amax``, or the ``amax`` given for a dense weight, MAX-reduced over
+its FSDP shard group), the FP32 scale is the quantizer's ``scale_from_amax`` (``amax / format_max``,
+15 for inputs and weights, 224 for gradients; 1.0 where that is not finite and > 0), and
+``npu_quantize`` (aclnnQuantize) divides by that scale and casts to HiF8 (TA rounding). So the
+"current quant" is device amax + quant with a given scale, not the fused ``npu_dynamic_quant(
+quant_mode="pertensor", dst_type=torch_npu.hifloat8, dst_type_max=...)``: that op computes its
+scale as ``amax · fl32(1 / dst_type_max)``, which differs from ``amax / format_max`` in the last bit
+for most amax values, gives scale 0 for an all-zero tensor (ours: 1.0), and cannot take the
+cross-rank amax a sharded dense weight needs. Open points for the A5 system test (docs/formats.md
+§3.3; the fake torch_npu computes ``encode(x / scale)`` with correctly rounded FP32 division, i.e.
+our codec): (1) the Ascend 950 kernels (ops-nn
+``quant/quantize/op_kernel/arch35/quantize_per_tensor_no_offset_regbase.h`` and
+``quantize_per_head_no_offset_regbase.h``) divide with ``DivSpecificMode{precisionMode = false}``
+(documented ≤ 1 ulp), so a code may differ where ``x / scale`` sits next to a HiF8 rounding
+boundary; (2) their HiF8 cast saturates (``SatMode::SAT``): a finite ``x`` divided by our scale
+never leaves ±format_max·(1 + 2^-22), so only ±Inf elements (ours 0x6F/0xEF) and NaN (ours 0x80)
+can differ. The input is cast to FP32 first (exact): with FP32 scales the op takes FP32 input
+only (aclnnQuantize.md).
 
 Formats are looked up by name in per-format tables (``_KERNELS`` here, ``REQUIRED_DTYPES`` and
 ``REQUIRED_OPS`` of :mod:`lp_lightning.ops.npu_capability`): the backend declares what it
@@ -78,7 +93,7 @@ import torch
 
 from lp_lightning.formats.mxfp8 import BLOCK_SIZE as MX_BLOCK_SIZE
 from lp_lightning.formats.operand import QuantizedOperand
-from lp_lightning.formats.quantizer import Quantizer
+from lp_lightning.formats.quantizer import Quantizer, check_quantize_args
 from lp_lightning.formats.spec import FormatSpec, Orientation
 from lp_lightning.ops.npu_capability import (
     MIN_TORCH_NPU_VERSION,
@@ -100,6 +115,7 @@ __all__ = [
     "SOC_PREFIX",
     "GateCheck",
     "NpuBackend",
+    "hif8_quantize",
     "check_npu_capability",
     "clear_capability_cache",
     "npu_capability_error",
@@ -120,6 +136,8 @@ _GROUP_LIST_COUNTS = 1  # npu_grouped_matmul group_list_type=1: per-group counts
 _GROUP_TYPE_SPLIT_M = 0
 _GROUP_TYPE_SPLIT_K = 2
 _SPLIT_ITEM_SINGLE = 3  # one output tensor
+_HIF8_AXIS_PER_TENSOR = -1  # npu_quantize with a [1] scale: aclnnQuantize ignores the axis
+_HIF8_AXIS_PER_GROUP = 0  # a [E] scale of an [E, D1, D2] weight: aclnnQuantize's per-head mode on dim 0
 
 
 def _torch_npu() -> ModuleType:
@@ -314,6 +332,56 @@ def mx_quantize_grouped_col(x_TC: torch.Tensor, group_list: torch.Tensor) -> tup
 
 
 # ------------------------------------------------------------------------------------------------
+# Quantize (HiF8).
+
+
+def hif8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """HiF8 codes of ``x / scale`` from one ``npu_quantize`` call; the scale is given, never computed.
+
+    Args:
+        x: float32/bfloat16/float16, 1-D/2-D with a per-tensor scale, or 3-D ``[E, D1, D2]`` with
+            one scale per leading group; cast to FP32 first (exact), as the op takes FP32 scales
+            with FP32 input only (aclnnQuantize.md). Views are passed as they are (the op takes
+            non-contiguous input).
+        scale: FP32 0-d (1-D/2-D ``x``) or ``[E]`` (3-D ``x``), passed 1-D (``[1]`` / ``[E]``, the
+            op's scale rank) with ``axis=-1`` (ignored for a one-element scale) or ``axis=0``.
+
+    Returns:
+        ``uint8`` HiF8 codes (torch_npu's carrier of ``torch_npu.hifloat8``), ``x``'s shape.
+
+    Raises:
+        RuntimeError: from torch_npu, for an input the op refuses (propagated unchanged).
+    """
+    torch_npu = _torch_npu()
+    axis = _HIF8_AXIS_PER_GROUP if x.dim() == 3 else _HIF8_AXIS_PER_TENSOR
+    return torch_npu.npu_quantize(
+        x.detach().to(torch.float32), scale.reshape(-1), None, torch_npu.hifloat8, axis=axis, div_mode=True
+    )
+
+
+def _hif8_operand(
+    quantizer: Quantizer,
+    tensor: torch.Tensor,
+    orientation: Orientation,
+    group_list: torch.Tensor | None,
+    amax: torch.Tensor | None,
+) -> QuantizedOperand:
+    """The HiF8 quantizer's operand with the codes from :func:`hif8_quantize` (module docstring)."""
+    check_quantize_args("npu quantize(hif8)", tensor, orientation, group_list)
+    amax_shape = quantizer.format.scale_shape(tuple(tensor.shape), orientation)  # raises unless 1-D/2-D/3-D
+    if amax is None:
+        amax = quantizer.compute_amax(tensor)
+    elif not isinstance(amax, torch.Tensor) or tuple(amax.shape) != amax_shape:
+        got = tuple(amax.shape) if isinstance(amax, torch.Tensor) else type(amax).__name__
+        raise TypeError(f"npu quantize(hif8): amax must be a tensor of shape {amax_shape}, got {got}.")
+    scale = quantizer.scale_from_amax(amax.to(tensor.device))  # type: ignore[attr-defined]
+    return QuantizedOperand(
+        data=hif8_quantize(tensor, scale), scale=scale, logical_dtype=tensor.dtype, format=quantizer.format,
+        orientation=orientation, group_list=group_list, format_max=quantizer.format_max,  # type: ignore[attr-defined]
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # GEMMs.
 
 
@@ -349,9 +417,9 @@ class NpuBackend:
         amax: torch.Tensor | None = None,
     ) -> QuantizedOperand:
         """MX formats: ``npu_dynamic_mx_quant`` (``npu_grouped_dynamic_mx_quant`` for grouped col);
-        HiF8: the portable codec (module docstring)."""
-        if _KERNELS[quantizer.format.name] != "mx":
-            return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, amax=amax)
+        HiF8: our amax and scale, codes from ``npu_quantize`` (module docstring)."""
+        if _KERNELS[quantizer.format.name] == "hif8":
+            return _hif8_operand(quantizer, tensor, orientation, group_list, amax)
         if amax is not None:
             raise ValueError(f"npu quantize: {quantizer.format.name} computes block scales; amax must be None.")
         if orientation == "col" and group_list is not None:
@@ -368,9 +436,11 @@ class NpuBackend:
     ) -> tuple[QuantizedOperand, QuantizedOperand]:
         """MX formats: one ``npu_dynamic_mx_quant_with_dual_axis`` call for FP16/BF16, one
         ``npu_dynamic_mx_quant`` call per axis for an FP32 tensor (the dual-axis op takes no FP32, and
-        a cast to BF16 first would round twice); HiF8: the portable codec."""
-        if _KERNELS[quantizer.format.name] != "mx":
-            return quantizer.quantize_dual(tensor, amax=amax)
+        a cast to BF16 first would round twice); HiF8: one ``npu_quantize`` call whose codes serve
+        both orientations."""
+        if _KERNELS[quantizer.format.name] == "hif8":
+            row = _hif8_operand(quantizer, tensor, "row", None, amax)
+            return row, row.with_orientation("col")
         if amax is not None:
             raise ValueError(f"npu quantize_dual: {quantizer.format.name} computes block scales; amax must be None.")
         if tensor.dtype in _DUAL_AXIS_INPUTS:

@@ -78,13 +78,16 @@ REQUIRED_OPS: dict[str, dict[str, tuple[str, ...]]] = {
         "npu_grouped_matmul": (*_GMM_KEYWORDS, "scale_dtype", "per_token_scale_dtype"),
     },
     "hif8": {
+        "npu_quantize": ("axis", "div_mode"),
         "npu_quant_matmul": ("pertoken_scale", "output_dtype", "x1_dtype", "x2_dtype"),
         "npu_grouped_matmul": (*_GMM_KEYWORDS, "x_dtype", "weight_dtype"),
     },
 }
 """Per format, every torch_npu op the npu backend calls and the keywords it passes to it (design spec
-§15: dynamic MX quant, dual-axis quant, quant MM/GMM; HiF8 FP32-scale MM/GMM). Each op's schema
-(``op.default._schema``) must accept those keywords."""
+§15: dynamic MX quant, dual-axis quant, quant MM/GMM; HiF8 quant with a given scale, FP32-scale
+MM/GMM). Each op's schema (``op.default._schema``) must accept those keywords. HiF8's "current
+quant" is a torch amax on the device plus ``npu_quantize`` with the scale from it, so
+``npu_dynamic_quant`` is not required (``lp_lightning.ops.npu`` module docstring)."""
 
 
 _cache_lock = threading.Lock()

@@ -21,7 +21,14 @@ capability gate reads. Each op:
    independently of ``lp_lightning.ops.npu``'s converters), the padding codes are checked to be 0,
    the operands are rebuilt as ``QuantizedOperand``s and ``EmulatedBackend`` computes the result.
    MX quant ops return their scales as ``uint8``, as the real ones do (their docs and meta
-   registrations).
+   registrations). ``npu_quantize`` (HiF8 only) returns ``hif8.encode(x / scale)`` as ``uint8``
+   (the op-plugin's carrier of ``torch_npu.hifloat8``, ``QuantizeKernelNpuOpApi.cpp``): the
+   division is correctly rounded FP32 division and the cast our codec, so it equals the
+   ``HiF8Quantizer``'s codes for the same scale. The Ascend 950 kernel divides with
+   ``DivSpecificMode{precisionMode = false}`` (≤ 1 ulp) and casts with ``SatMode::SAT`` (ops-nn
+   ``quant/quantize/op_kernel/arch35/quantize_per_tensor_no_offset_regbase.h``, ``quantize.h``):
+   whether its codes differ next to a HiF8 rounding boundary, or for ±Inf/NaN inputs, is for the
+   A5 system test to settle (docs/formats.md §3.3), not something this fake can show.
 
 The fake's numbers are the emulation's numbers, never a statement about hardware accuracy (design spec
 §16.2). Capability attributes: ``__version__`` (default ``"2.13.0"``), ``hifloat8 = 290``,
@@ -42,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lp_lightning.formats import mxfp8
+from lp_lightning.formats import hif8, mxfp8
 from lp_lightning.formats.operand import QuantizedOperand
 from lp_lightning.ops.emulated import BACKEND as EMULATED
 
@@ -276,6 +283,7 @@ OPS = (
     "npu_dynamic_mx_quant",
     "npu_dynamic_mx_quant_with_dual_axis",
     "npu_grouped_dynamic_mx_quant",
+    "npu_quantize",
 )
 """The ops the fake models (every op ``lp_lightning.ops.npu`` calls)."""
 
@@ -442,3 +450,28 @@ class FakeTorchNpu(types.ModuleType):
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
         data, scale = mxfp8.quantize_grouped(x, counts, orientation="col")
         return data, pack_grouped_pairs(scale.view(torch.uint8), counts.tolist(), x.shape[0])
+
+    @staticmethod
+    def _npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):
+        # A staticmethod whose first parameter is the schema's input ``Tensor self``, not the fake.
+        x = self
+        if dtype_id(dtype, "dtype") != HIFLOAT8 or zero_points is not None or div_mode is not True:
+            raise NotImplementedError(
+                "fake torch_npu: npu_quantize is modelled for dtype=torch_npu.hifloat8, zero_points=None, div_mode=True"
+            )
+        if scales.dtype != torch.float32:
+            raise NotImplementedError("fake torch_npu: npu_quantize is modelled for FP32 scales")
+        if x.dtype != torch.float32:
+            raise RuntimeError(f"fake torch_npu: npu_quantize: FP32 scales need FP32 input (aclnnQuantize.md), "
+                               f"got {x.dtype}")
+        if scales.dim() != 1:
+            raise RuntimeError(f"fake torch_npu: npu_quantize: scales must be 1-D (aclnn_quantize.cpp), "
+                               f"got {tuple(scales.shape)}")
+        if scales.numel() == 1:  # per tensor: the axis is not used
+            return hif8.encode(x / scales.reshape(()))
+        if not -x.dim() <= axis < x.dim() or scales.shape[0] != x.shape[axis]:
+            raise RuntimeError(f"fake torch_npu: npu_quantize: scales {tuple(scales.shape)} must have 1 element or "
+                               f"x.shape[axis] for x {tuple(x.shape)}, axis {axis} (aclnn_quantize.cpp)")
+        shape = [1] * x.dim()
+        shape[axis] = scales.shape[0]
+        return hif8.encode(x / scales.reshape(shape))

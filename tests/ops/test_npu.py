@@ -24,7 +24,8 @@ from fake_torch_npu import (
     spec,
     unpack_grouped_pairs,
 )
-from lp_lightning.formats import HiF8Quantizer, MXFP8Quantizer
+from lp_lightning.formats import HiF8Quantizer, MXFP8Quantizer, recipe_for
+from lp_lightning.functional import low_precision_grouped_swiglu, low_precision_linear
 from lp_lightning.ops import (
     LowPrecisionUnsupportedError,
     low_precision_grouped_matmul,
@@ -37,6 +38,7 @@ from lp_lightning.ops import (
 )
 from lp_lightning.ops import emulated, npu
 from lp_lightning.ops.npu import GateCheck, check_npu_capability
+from lp_lightning.tensor import QuantizedWeightTensor
 
 E4M3, E8M0, U8, F32, I64, BF16 = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8, torch.float32,
                                   torch.int64, torch.bfloat16)
@@ -198,7 +200,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _same_operand(a, b):
-    assert (a.orientation, a.format, a.logical_dtype) == (b.orientation, b.format, b.logical_dtype)
+    assert (a.orientation, a.format, a.logical_dtype, a.format_max) == (
+        b.orientation, b.format, b.logical_dtype, b.format_max)
     assert torch.equal(_bits(a.data), _bits(b.data)) and torch.equal(_bits(a.scale), _bits(b.scale))
 
 
@@ -244,19 +247,108 @@ def test_an_input_dtype_the_op_refuses_propagates(fake_npu):
         quantize(MX, torch.randn(T, K), orientation="col", group_list=torch.tensor(COUNTS))
 
 
-def test_hif8_quantize_stays_on_the_portable_codec_on_the_npu_backend(fake_npu):
-    """HiF8 has no bit-exact torch_npu quantize op (lp_lightning.ops.npu docstring): no call is made."""
-    x, w = torch.randn(M, K, dtype=BF16), torch.randn(N, K)
-    amax = HI.compute_amax(w) * 2  # e.g. the MAX over an FSDP group
+# ------------------------------------------------------------------------------------------------
+# HiF8 quantize on the npu backend: our amax and scale, the codes from one npu_quantize call.
+
+
+def _forbid_portable_hif8(monkeypatch):
+    """Make the portable HiF8 quantizer and the emulated backend's quantize raise when called."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the npu backend must quantize HiF8 with torch_npu, not the portable codec")
+
+    for owner, names in ((HiF8Quantizer, ("quantize", "quantize_dual")),
+                         (emulated.EmulatedBackend, ("quantize", "quantize_dual"))):
+        for name in names:
+            monkeypatch.setattr(owner, name, forbidden)
+
+
+def _npu_quantize_call(x_spec, scales_shape, axis):
+    return CallRecord("npu_quantize", {"self": x_spec, "scales": spec(F32, scales_shape), "zero_points": None,
+                                       "dtype": HIFLOAT8, "axis": axis, "div_mode": True})
+
+
+def _grouped_master():
+    return torch.randn(E, N, K).transpose(-1, -2)  # the GMM view [E, K, N] of an FP32 master [E, N, K]
+
+
+# name: (quantizer, tensor, orientation or "dual", amax factor (None: computed), group_list, expected call)
+HIF8_QUANTIZE = {
+    "fprop-input": (HI, lambda: torch.randn(M, K, dtype=BF16), "row", None, None,
+                    _npu_quantize_call(spec(F32, (M, K)), (1,), -1)),
+    "input-1d": (HI, lambda: torch.randn(K, dtype=torch.float16), "col", None, None,
+                       _npu_quantize_call(spec(F32, (K,)), (1,), -1)),
+    "gradient": (GRAD, lambda: torch.randn(M, N, dtype=BF16), "col", None, None,
+                 _npu_quantize_call(spec(F32, (M, N)), (1,), -1)),
+    "grouped-gradient": (GRAD, lambda: torch.randn(T, N, dtype=BF16), "col", None, COUNTS,
+                         _npu_quantize_call(spec(F32, (T, N)), (1,), -1)),
+    "dense-weight": (HI, lambda: torch.randn(N, K), "dual", 2.0, None,
+                     _npu_quantize_call(spec(F32, (N, K)), (1,), -1)),
+    "grouped-weight": (HI, _grouped_master, "dual", 1.5, None,
+                       _npu_quantize_call(spec(F32, (E, K, N), (0, 2, 1)), (E,), 0)),
+}
+
+
+@pytest.mark.parametrize("case", HIF8_QUANTIZE)
+def test_hif8_quantize_is_one_npu_quantize_call_with_our_scale(fake_npu, monkeypatch, case):
+    """Inputs (amax → 15), gradients (→ 224), dense and grouped weights with a given amax (e.g. the MAX
+    over an FSDP group; per expert for [E, K, N]): one call, FP32 input, our FP32 scale, ``axis`` -1
+    (per tensor) or 0 (per group), ``div_mode=True``; the operand equals the portable quantizer's."""
+    quantizer, make, orientation, amax_factor, counts, expected = HIF8_QUANTIZE[case]
+    x = make()
+    group_list = None if counts is None else torch.tensor(counts)
+    amax = None if amax_factor is None else quantizer.compute_amax(x) * amax_factor
+    if orientation == "dual":
+        reference = quantizer.quantize_dual(x, amax=amax)
+    else:
+        reference = (quantizer.quantize(x, orientation=orientation, group_list=group_list, amax=amax),)
+    _forbid_portable_hif8(monkeypatch)
     with use_backend("npu"):
-        row = quantize(HI, x, orientation="row")
-        grad = quantize(GRAD, x, orientation="col")
-        dual = quantize_dual(HI, w, amax=amax)
+        if orientation == "dual":
+            got = quantize_dual(quantizer, x, amax=amax)
+        else:
+            got = (quantize(quantizer, x, orientation=orientation, group_list=group_list, amax=amax),)
+    assert fake_npu.calls == [expected]
+    (x_passed, scales_passed, *_), _ = fake_npu.calls[0].raw
+    scale = quantizer.scale_from_amax(quantizer.compute_amax(x) if amax is None else amax)
+    assert torch.equal(scales_passed, scale.reshape(-1)) and torch.equal(x_passed, x.float())
+    for ours, ref in zip(got, reference):
+        _same_operand(ours, ref)
+        assert ours.format_max == quantizer.format_max and ours.group_list is group_list
+    if orientation == "dual":
+        assert got[1].data is got[0].data and got[1].scale is got[0].scale
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.zeros(M, K), lambda: torch.full((M, K), 1e-44), lambda: torch.randn(M, K) * 1e-30,
+     lambda: torch.randn(M, K) * torch.where(torch.rand(M, K) < 0.01, 1e4, 1.0), lambda: torch.empty(0, K),
+     lambda: torch.randn(E, 3, 5) * torch.tensor([0.0, 1e-3, 1.0, 1e3]).reshape(E, 1, 1)],
+    ids=["zeros", "amax-underflows", "tiny", "outliers", "empty", "per-group-incl-zero"],
+)
+@pytest.mark.parametrize("quantizer", [HI, GRAD], ids=["format_max-15", "format_max-224"])
+def test_hif8_npu_operands_equal_the_emulated_ones_through_the_fake(fake_npu, make, quantizer):
+    """Scale fall-backs (amax 0, amax / format_max underflowing to 0: scale 1.0) and extreme ranges.
+    The fake divides with correctly rounded FP32 division (its docstring): equality here pins our
+    side of the contract; whether the 950's ≤ 1-ulp division agrees is the A5 system test's."""
+    x = make()
+    with use_backend("npu"):
+        got = quantize(quantizer, x, orientation="row")
+    _same_operand(got, quantize(quantizer, x, orientation="row", backend="emulated"))
+    assert [c.name for c in fake_npu.calls] == ["npu_quantize"]
+
+
+def test_hif8_quantize_argument_errors_on_the_npu_backend(fake_npu):
+    with use_backend("npu"):
+        with pytest.raises(TypeError, match=r"amax must be a tensor of shape \(\), got \(2,\)"):
+            quantize(HI, torch.randn(M, K), orientation="row", amax=torch.ones(2))
+        with pytest.raises(TypeError, match=r"amax must be a tensor of shape \(4,\), got float"):
+            quantize_dual(HI, torch.randn(E, 3, 5), amax=1.0)
+        with pytest.raises(ValueError, match=r"1-D, 2-D \(per-tensor scale\) or 3-D \(per-group scale\), got shape"):
+            quantize(HI, torch.randn(2, 2, 2, 2), orientation="row")
+        with pytest.raises(TypeError, match="tensor dtype torch.int64 is not a high-precision dtype"):
+            quantize(HI, torch.ones(M, K, dtype=torch.int64), orientation="row")
     assert fake_npu.calls == []
-    _same_operand(row, HI.quantize(x, orientation="row"))
-    _same_operand(grad, GRAD.quantize(x, orientation="col"))
-    _same_operand(dual[0], HI.quantize(w, orientation="row", amax=amax))
-    assert dual[1].data is dual[0].data and dual[1].orientation == "col"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,6 +399,9 @@ def test_every_missing_op_is_listed_and_each_format_checks_only_its_own(install_
     assert [c.name for c in _failed("hif8")] == ["op npu_grouped_matmul"]
     install_fake_npu(missing=("npu_dynamic_mx_quant", "npu_grouped_dynamic_mx_quant"))  # HiF8 needs no MX quant
     check_npu_capability("hif8")
+    install_fake_npu(missing=("npu_quantize",))  # HiF8's quant with a given scale; MXFP8 does not use it
+    check_npu_capability("mxfp8_e4m3")
+    assert [(c.name, c.seen) for c in _failed("hif8")] == [("op npu_quantize", "missing")]
 
 
 def test_an_op_whose_schema_lacks_a_keyword_fails_naming_it(install_fake_npu):
@@ -388,7 +483,8 @@ def test_the_gate_lists_every_check_in_order_with_what_it_saw(install_fake_npu, 
     ]
     assert npu.npu_gate_checks("mxfp8_e4m3") is checks  # cached
     assert [c.name for c in npu.npu_gate_checks("hif8")][3:] == [
-        "dtype torch_npu.hifloat8", "NPU device", "SoC Ascend950", "op npu_quant_matmul", "op npu_grouped_matmul",
+        "dtype torch_npu.hifloat8", "NPU device", "SoC Ascend950", "op npu_quantize", "op npu_quant_matmul",
+        "op npu_grouped_matmul",
     ]
     assert resolve_backend("hif8", "npu:0") == "npu" and resolve_backend("hif8", "cpu") == "emulated"
 
@@ -447,3 +543,45 @@ def test_a_torch_npu_that_fails_to_import_is_not_reported_as_missing(monkeypatch
     assert "not installed" not in message
     with pytest.raises(LowPrecisionUnsupportedError, match="fails to import"):
         resolve_backend("hif8", "npu:0")
+
+
+# ------------------------------------------------------------------------------------------------
+# A low-precision training step on the npu backend: every quantise and GEMM is a torch_npu call.
+
+
+def _step(fmt):
+    """Dense linear and routed-expert SwiGLU, forward and backward (weights built from FP32 masters)."""
+    recipe = recipe_for(fmt)
+    dense = QuantizedWeightTensor.from_master(torch.randn(N, K) * 0.05, recipe=recipe, kind="dense",
+                                              requires_grad=True)
+    gate_up = QuantizedWeightTensor.from_master(torch.randn(E, 2 * 48, K) * 0.05, recipe=recipe, kind="grouped",
+                                                requires_grad=True)
+    down = QuantizedWeightTensor.from_master(torch.randn(E, K, 48) * 0.05, recipe=recipe, kind="grouped",
+                                             requires_grad=True)
+    x = torch.randn(M, K, dtype=BF16, requires_grad=True)
+    x_T = torch.randn(T, K, dtype=BF16, requires_grad=True)
+    y = low_precision_linear(x, dense, recipe=recipe)
+    y_T = low_precision_grouped_swiglu(x_T, torch.tensor(COUNTS), gate_up, down, recipe=recipe)
+    (y.float().square().mean() + y_T.float().square().mean()).backward()
+    return [y, y_T, x.grad, x_T.grad, dense.grad, gate_up.grad, down.grad]
+
+
+def test_a_hif8_step_quantizes_and_multiplies_only_through_torch_npu(fake_npu, monkeypatch):
+    """Weights, activations, SwiGLU intermediates and gradients are quantised by ``npu_quantize`` (the
+    portable quantizer and the emulated backend's quantize raise if called), every GEMM is an npu one,
+    and the step equals the emulated one bit for bit (through the fake, see its docstring)."""
+    torch.manual_seed(0)
+    with use_backend("emulated"):
+        reference = _step("hif8")
+    fake_npu.calls.clear()
+    _forbid_portable_hif8(monkeypatch)
+    torch.manual_seed(0)
+    with use_backend("npu"), record_gemms() as events:
+        got = _step("hif8")
+    assert [e.backend for e in events] == ["npu"] * 9  # dense fprop/dgrad/wgrad, six grouped GEMMs
+    names = [c.name for c in fake_npu.calls]
+    # 3 weights (one dual call each), x and dy of the dense linear, x, h, dy and dgu of the SwiGLU.
+    counts = {name: names.count(name) for name in set(names)}
+    assert counts == {"npu_quantize": 9, "npu_quant_matmul": 3, "npu_grouped_matmul": 6}
+    for ours, ref in zip(got, reference, strict=True):
+        assert torch.equal(ours, ref)

@@ -12,8 +12,9 @@ torch's own schema parser (``torch._C.parse_schema``). Checked here:
   for MXFP8 and HiF8) passes only arguments its schema has, the keywords ``REQUIRED_OPS`` declares
   per format (what the startup gate checks on the installed torch_npu) are exactly the ones the
   backend passes, and each call replays through the torch dispatcher against the real schema:
-  argument kinds and types are accepted, and a ``torch.dtype`` given to an ``int`` dtype argument
-  arrives as its ScalarType id (``torch.bfloat16`` → 15, ``torch.float8_e4m3fn`` → 24), the ids
+  argument kinds and types are accepted, every argument arrives as passed (by schema name, whether
+  the dispatcher forwards it positionally or not), and a ``torch.dtype`` given to an ``int`` dtype
+  argument arrives as its ScalarType id (``torch.bfloat16`` → 15, ``torch.float8_e4m3fn`` → 24), the ids
   the op-plugin reads (``op_plugin/meta/_meta_registrations.py``);
 - the fake's ScalarType-id table equals the dispatcher's conversion.
 """
@@ -160,6 +161,13 @@ def test_every_backend_call_passes_only_schema_arguments(backend_calls):
             assert set(kwargs) <= keywords | set(positional[len(args):]), (fmt, call.name, set(kwargs) - keywords)
 
 
+def _by_name(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict:
+    """Arguments by schema name, the defaults of those not given filled in (the dispatcher may pass a
+    positional-or-keyword argument either way, and drops one equal to its default)."""
+    bound = {**dict(zip([a.name for a in schema.arguments], args)), **kwargs}
+    return {a.name: bound.get(a.name, a.default_value if a.has_default_value() else None) for a in schema.arguments}
+
+
 def test_every_backend_call_replays_through_the_dispatcher_against_the_real_schema(backend_calls, dispatcher_ops):
     ops, received = dispatcher_ops
     for fmt, calls in backend_calls.items():
@@ -168,10 +176,16 @@ def test_every_backend_call_replays_through_the_dispatcher_against_the_real_sche
             received.clear()
             getattr(ops, call.name)(*args, **kwargs)  # raises on any argument the real schema refuses
             [(name, got_args, got_kwargs)] = received
-            assert name == call.name and len(got_args) == len(args)
-            for key, value in kwargs.items():
+            assert name == call.name
+            schema = SCHEMAS.schemas[name]
+            sent, got = _by_name(schema, args, kwargs), _by_name(schema, got_args, got_kwargs)
+            for key, value in sent.items():
                 if key.endswith("dtype") or key == "dst_type":  # `int` in the schema: the op receives an id
-                    assert got_kwargs[key] == dtype_id(value, key) and isinstance(got_kwargs[key], int), (fmt, key)
+                    assert got[key] == dtype_id(value, key) and isinstance(got[key], (int, type(None))), (fmt, key)
+                elif isinstance(value, torch.Tensor):
+                    assert got[key] is value, (fmt, name, key)
+                elif not isinstance(value, (list, tuple)):
+                    assert got[key] == value, (fmt, name, key, got[key], value)
 
 
 def test_the_fake_dtype_ids_are_the_dispatcher_conversion(dispatcher_ops):
