@@ -40,6 +40,7 @@ LAYERS: dict[str, str] = {
     "lp_lightning.data": "data",
     "lp_lightning.evidence": "evidence",
     "lp_lightning.observers": "util",
+    "lp_lightning.versions": "versions",
     "lp_lightning": "root",
 }
 
@@ -48,6 +49,7 @@ _GENERIC_LOW_PRECISION = {"formats", "format_registry"} | _CONFIG
 ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is allowed everywhere
     "root": set(),
     "util": set(),
+    "versions": {"root"},  # run_summary.json's software versions (package metadata, git)
     # The npu accelerator is Lightning + torch only: a bf16 run imports it and must load nothing low-precision.
     "accelerator": set(),
     "config": {"format_registry", "root"},

@@ -49,9 +49,13 @@ from lp_lightning.plan import rules_from_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 # ------------------------------------------------------------------------------------------------
-# Hardware / backend row (startup capability gate: SoC, torch_npu version, each op the format
-# needs; `backend: auto|emulated|npu`). Added by the startup-gate work of issue 10; not covered here.
+# Hardware / backend row (the startup gate, before the model is built: SoC, torch_npu version, each
+# op the format needs; `backend: auto|emulated|npu`): tests/lightning/test_startup_gate.py (through the
+# CLI on the npu accelerator, stage and message) and tests/ops/test_gate.py (the gate's choices).
 # ------------------------------------------------------------------------------------------------
+NO_NPU = ("--trainer.accelerator", "cpu")
+"""The 16B configs ask for the npu accelerator; without torch_npu that fails first (tested in
+tests/lightning/test_accelerator.py), so the 16B launch checks run with the accelerator on the CPU."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +258,7 @@ def test_plan_overrides_from_yaml_and_cli_reach_the_plugin(tmp_path):
     assert LPLightningCLI(args=root, run=False).trainer.precision_plugin.plan_rules is None  # the adapter's default
     # The 16B plan file is a valid partial config: the 16B run with it parses, compiles and checks at launch.
     config = parse_config(
-        ["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--config", str(CONFIGS / "plan_deepseek_v3.yaml")]
+        ["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--config", str(CONFIGS / "plan_deepseek_v3.yaml"), *NO_NPU]
     )
     assert [rule["name"] for rule in config.plan_overrides] == ["mla_projections", "dense_mlp", "shared_experts",
                                                                  "routed_experts"]
@@ -365,7 +369,7 @@ def test_non_dcp_checkpoint_fails_at_startup_naming_the_path(tmp_path, capsys, n
 
 def test_illegal_shards_fail_once_at_launch_listing_every_fqn(capsys, nothing_instantiated):
     text = _fails_at_parse(capsys, nothing_instantiated, "--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"),
-                           "--fsdp_config.fallback_to_unsharded", "false")
+                           "--fsdp_config.fallback_to_unsharded", "false", *NO_NPU)
     assert text.count("cannot be sharded") == 1
     assert text.startswith("84 low-precision weight(s) cannot be sharded over 8 ranks (design spec §9.1) and "
                            "fsdp_config.fallback_to_unsharded is false:")
@@ -452,7 +456,7 @@ def test_adamw_over_non_fp32_parameters_is_refused():
         (["--trainer.precision", "bf16-mixed"], "trainer.precision='bf16-mixed' cannot be set"),
         (["--precision", "mxfp8", "--plan_overrides", json.dumps([_linear_rule("x", "model.layers.0.mlp.nope")])],
          "rule 'x' (torch.nn.Linear"),
-        (["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--fsdp_config.fallback_to_unsharded", "false"],
+        (["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--fsdp_config.fallback_to_unsharded", "false", *NO_NPU],
          "84 low-precision weight(s) cannot be sharded over 8 ranks"),
     ],
     ids=["comm_fusion", "tp2", "mxfp8-current", "delayed", "trainer.precision", "plan-zero-hits", "illegal-shards"],

@@ -313,22 +313,52 @@ def mx_quantize_dual(
 
 
 def mx_quantize_grouped_col(x_TC: torch.Tensor, group_list: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped col MXFP8 with ``npu_grouped_dynamic_mx_quant`` (blocks stop at group ends; RCEIL).
+    """Grouped col MXFP8 (blocks stop at group ends; RCEIL).
+
+    bfloat16/float16: one ``npu_grouped_dynamic_mx_quant`` call. float32 (the SwiGLU output and its
+    gradient, which recipe v1 quantizes straight from FP32), which that op does not take: one
+    ``npu_dynamic_mx_quant(axis=-2)`` call over the rows re-laid so that every group starts at a
+    multiple of 32, the gaps zero. Zero rows leave a block's amax, hence its scale and every real
+    row's code, unchanged, so both paths equal the per-group quantization bit for bit.
 
     Args:
-        x_TC: 2-D token-sorted bfloat16/float16 tensor (the op takes no float32).
-        group_list: ``int64 [G]`` row counts (passed to the op as ``int32`` cumulative ends).
+        x_TC: 2-D token-sorted bfloat16/float16/float32 tensor.
+        group_list: ``int64 [G]`` row counts (passed to the grouped op as ``int32`` cumulative ends).
 
     Returns:
         ``(data float8_e4m3fn [T, C], scale float8_e8m0fnu [sum_g ceil(n_g/32), C])``.
     """
     torch_npu = _torch_npu()
+    if x_TC.dtype == torch.float32:
+        return _mx_quantize_grouped_col_fp32(torch_npu, x_TC, group_list)
     group_index = torch.cumsum(group_list, 0).to(torch.int32)
     data, npu_scale = torch_npu.npu_grouped_dynamic_mx_quant(
         x_TC, group_index, round_mode="rint", dst_type=torch.float8_e4m3fn, blocksize=MX_BLOCK_SIZE,
         scale_alg=_SCALE_ALG_RCEIL,
     )
     return data, mx_grouped_scale_from_npu(npu_scale, group_list)
+
+
+def _mx_quantize_grouped_col_fp32(
+    torch_npu: ModuleType, x_TC: torch.Tensor, group_list: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 grouped col MXFP8 through ``npu_dynamic_mx_quant`` on block-aligned groups (see the caller)."""
+    counts_G = group_list.to(device=x_TC.device, dtype=torch.int64)
+    blocks_G = (counts_G + MX_BLOCK_SIZE - 1) // MX_BLOCK_SIZE
+    num_blocks = int(blocks_G.sum())  # host: the scale's row count depends on it (as for the grouped op)
+    cols = x_TC.shape[1]
+    if num_blocks == 0:
+        return (x_TC.new_empty((0, cols), dtype=torch.float8_e4m3fn),
+                x_TC.new_empty((0, cols), dtype=torch.uint8).view(torch.float8_e8m0fnu))
+    # Row t of group g moves by (32 · first block of g) - (first row of g).
+    shift_G = MX_BLOCK_SIZE * (torch.cumsum(blocks_G, 0) - blocks_G) - (torch.cumsum(counts_G, 0) - counts_G)
+    rows_T = torch.arange(x_TC.shape[0], device=x_TC.device) + torch.repeat_interleave(shift_G, counts_G)
+    aligned_PC = x_TC.new_zeros((num_blocks * MX_BLOCK_SIZE, cols))
+    aligned_PC[rows_T] = x_TC
+    data_PC, npu_scale = torch_npu.npu_dynamic_mx_quant(
+        aligned_PC, axis=-2, dst_type=torch.float8_e4m3fn, scale_alg=_SCALE_ALG_RCEIL
+    )
+    return data_PC[rows_T], mx_scale_from_npu(npu_scale, orientation="col", num_blocks=num_blocks)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ memory"): the gate runs in the strategy's ``setup_environment``, before the mode
   model never built) with one message naming it; the checks are printed.
 * With a complete fake the tiny model trains a step whose every GEMM and every quantisation goes
   through torch_npu calls: the emulated backend is replaced in the backend registry by an object
-  that fails on any use (the fake itself answers through its own reference to the emulation), and
-  every GEMM event of the step is labelled ``npu``.
+  that fails on any use, the portable quantizers' ``quantize``/``quantize_dual`` fail when called
+  (the fake itself answers through its own reference to the emulation and the codecs), and every
+  GEMM event of the step is labelled ``npu``.
 * No run on the npu accelerator computes with the emulated backend unless ``--backend emulated``
   was given.
 """
@@ -24,6 +25,8 @@ from fake_npu_device import FakeTorchNpu, add_device_apis, install, map_devices_
 
 import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import main
+from lp_lightning.formats.hif8.quantizer import HiF8Quantizer
+from lp_lightning.formats.mxfp8.quantizer import MXFP8Quantizer
 from lp_lightning.ops import backend as op_backend
 from lp_lightning.ops.npu_capability import REQUIRED_DTYPES, REQUIRED_OPS
 
@@ -67,6 +70,10 @@ class _NoEmulation:
         raise AssertionError(f"the emulated backend was used ({attribute}) on the npu accelerator")
 
 
+def _portable_quantizer_called(*args, **kwargs):
+    raise AssertionError("a portable quantizer was called on the npu accelerator")
+
+
 def _fit(root: Path, cache_dir: str, *options: str) -> int:
     return main([
         "fit", "--trainer.accelerator", "npu", "--trainer.default_root_dir", str(root), "--data.cache_dir", cache_dir,
@@ -105,6 +112,9 @@ def test_a_complete_fake_runs_every_quantise_and_gemm_through_torch_npu(
     fake = npu_node()
     op_backend.get_backend_impl("emulated")  # loaded, so the stand-in below replaces it
     monkeypatch.setitem(op_backend._LOADED, "emulated", _NoEmulation())
+    for quantizer in (MXFP8Quantizer, HiF8Quantizer):  # nor the portable quantizers (the fake uses the codecs)
+        for method in ("quantize", "quantize_dual"):
+            monkeypatch.setattr(quantizer, method, _portable_quantizer_called)
     root = tmp_path / "run"
     assert _fit(root, token_cache_dir, "--precision", precision) == 0
     assert model_builds == ["dsv3-tiny"]

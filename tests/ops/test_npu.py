@@ -241,10 +241,25 @@ def test_an_fp32_master_is_dual_quantized_per_axis_without_a_cast(fake_npu):
     _same_operand(col, MX.quantize(w, orientation="col"))
 
 
+@pytest.mark.parametrize("counts", [COUNTS, [0, 33, 0, 31, 64], [0, 0, 0]])
+def test_an_fp32_grouped_col_operand_is_quantized_on_block_aligned_groups(fake_npu, counts):
+    """npu_grouped_dynamic_mx_quant takes FP16/BF16 only; the FP32 SwiGLU output and gradient are quantized by one
+    npu_dynamic_mx_quant(axis=-2) over rows re-laid so each group starts at a multiple of 32 (gaps zero)."""
+    group_list = torch.tensor(counts)
+    x = torch.randn(sum(counts), K) * torch.logspace(-3, 3, sum(counts))[:, None]  # blocks of very different amax
+    with use_backend("npu"):
+        col = quantize(MX, x, orientation="col", group_list=group_list)
+    blocks = sum(-(-n // 32) for n in counts)
+    expected = [CallRecord("npu_dynamic_mx_quant", {"input": spec(F32, (32 * blocks, K)), "axis": -2,
+                                                    "dst_type": E4M3, "scale_alg": 1})] if blocks else []
+    assert fake_npu.calls == expected
+    _same_operand(col, MX.quantize(x, orientation="col", group_list=group_list))
+
+
 def test_an_input_dtype_the_op_refuses_propagates(fake_npu):
-    """npu_grouped_dynamic_mx_quant takes FP16/BF16 only: an FP32 activation is the op's error, not a fallback."""
+    """The op's own error for an input it refuses (FP64 here) reaches the caller; there is no fallback."""
     with use_backend("npu"), pytest.raises(RuntimeError, match="npu_grouped_dynamic_mx_quant takes input of"):
-        quantize(MX, torch.randn(T, K), orientation="col", group_list=torch.tensor(COUNTS))
+        quantize(MX, torch.randn(T, K, dtype=torch.float64), orientation="col", group_list=torch.tensor(COUNTS))
 
 
 # ------------------------------------------------------------------------------------------------
