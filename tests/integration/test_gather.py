@@ -26,7 +26,7 @@ from lp_lightning.integration.sharding import (
     set_gather_policy,
 )
 from lp_lightning.integration.refresh import RefreshRecorder, refresh_low_precision_weights
-from lp_lightning.formats import QuantizationRole, hif8, recipe_for, set_compiled_kernels
+from lp_lightning.formats import hif8, set_compiled_kernels
 from lp_lightning.formats.spec import shard_rows
 from lp_lightning.integration import (
     GatherMetadata,
