@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from _inprocess import fit_tiny, tiny_datamodule
 from lp_lightning.formats import compiled_kernels_enabled
-from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 from lp_lightning.lightning import LowPrecisionPlugin
 from lp_lightning.lightning.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe
 
