@@ -35,7 +35,8 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
 
 The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
 as instances (``FSDP2Strategy``, ``LowPrecisionPlugin``); setting ``--trainer.strategy``,
-``--trainer.plugins`` or ``--trainer.precision`` fails while parsing (exit status 2), and ``--help``
+``--trainer.plugins`` (except Lightning ``ClusterEnvironment`` plugins such as ``SLURMEnvironment``,
+which are passed through) or ``--trainer.precision`` fails while parsing (exit status 2), and ``--help``
 marks them REFUSED. ``trainer.logger: true`` (the default) means a ``CSVLogger`` under
 ``<default_root_dir>/logs``.
 
@@ -57,6 +58,7 @@ A run stopped by SIGTERM (preemption) exits with status 143 and can be resumed t
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import signal
@@ -67,6 +69,7 @@ from typing import Any, NoReturn, Optional
 
 from jsonargparse import Namespace
 
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
@@ -119,10 +122,33 @@ defaults: any other value is refused while parsing (design spec §15)."""
 _REFUSED_HELP = "REFUSED by lp-lightning: it builds the {what} from {source}; setting this exits with status 2. "
 
 
+def _is_cluster_environment(plugin: object) -> bool:
+    """Whether a ``trainer.plugins`` entry (an instance, or a class path before instantiation) is a
+    Lightning ``ClusterEnvironment`` (SLURM, LSF, ...), the one plugin kind lp-lightning passes through."""
+    path = getattr(plugin, "class_path", None)
+    if path is None:
+        return isinstance(plugin, ClusterEnvironment)
+    module, _, name = str(path).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, ClusterEnvironment)
+
+
+def _cluster_environments(plugins: object) -> list[Any]:
+    """The ``ClusterEnvironment`` entries of ``trainer.plugins`` (``None``, one plugin or a list)."""
+    entries = plugins if isinstance(plugins, list) else [] if plugins is None else [plugins]
+    return [plugin for plugin in entries if _is_cluster_environment(plugin)]
+
+
 def _refused(trainer: Namespace | dict) -> str | None:
     """The error for a refused Trainer option that was set, or ``None``."""
     for key, default in _SET_BY_LP_LIGHTNING.items():
         value = trainer.get(key, default)
+        if key == "plugins" and value is not None:
+            entries = value if isinstance(value, list) else [value]
+            value = [plugin for plugin in entries if not _is_cluster_environment(plugin)] or default
         if value != default:
             source = "--precision" if key in ("precision", "plugins") else "--fsdp_config"
             shown = [getattr(v, "class_path", v) for v in value] if isinstance(value, list) else value
@@ -290,7 +316,8 @@ class LPLightningCLI(LightningCLI):
         parser.set_defaults({"checkpoint.every_n_steps": 20})
         parser.add_lightning_class_args(RunSummaryCallback, "run_summary")
         parser.link_arguments("precision", "run_summary.precision")
-        refused = {"trainer.strategy": ("strategy", "--fsdp_config"), "trainer.plugins": ("precision plugin", "--precision"),
+        refused = {"trainer.strategy": ("strategy", "--fsdp_config"),
+                   "trainer.plugins": ("precision plugin (cluster environments are accepted)", "--precision"),
                    "trainer.precision": ("precision plugin", "--precision")}
         for action in parser._actions:  # mark the Trainer options lp-lightning refuses (see _SET_BY_LP_LIGHTNING)
             if action.dest in refused:
@@ -340,7 +367,10 @@ class LPLightningCLI(LightningCLI):
         kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)
         plan_rules = _plan_rules(self._get(self.config, "plan_overrides"))
         backend = self._get(self.config, "backend")
-        kwargs["plugins"] = [LowPrecisionPlugin(precision, backend=backend, plan_rules=plan_rules)]
+        kwargs["plugins"] = [
+            LowPrecisionPlugin(precision, backend=backend, plan_rules=plan_rules),
+            *_cluster_environments(trainer_config.get("plugins")),  # SLURM, LSF, ...: passed through
+        ]
         if trainer_config.get("logger") in (None, True):
             kwargs["logger"] = CSVLogger(save_dir=trainer_config.get("default_root_dir") or ".", name="logs")
         # The step bar replaces Lightning's epoch bar (which reads "Epoch 0/-2" with max_steps), unless

@@ -113,8 +113,8 @@ def refused_scaling_message(scaling: object, *, owner: str = "low_precision") ->
     if not isinstance(scaling, str) or scaling not in REFUSED_SCALINGS:
         return None
     return (
-        f"{owner}.scaling={scaling!r}: HiF8 delayed scaling is not supported (design spec §1, §17.3.1: "
-        f"no amax history). The legal pairs are {_legal_pairs_text()}; for hif8 set `scaling: current`."
+        f"{owner}.scaling={scaling!r}: HiF8 delayed scaling is not supported (design spec §17.3.1). "
+        f"The legal pairs are {_legal_pairs_text()}; for hif8 set `scaling: current`."
     )
 
 

@@ -48,8 +48,11 @@ def git_commit() -> str | None:
 
 
 def _cann_version() -> str | None:
+    """``torch_npu.utils.get_cann_version()`` (defined in ``torch_npu/npu/utils.py`` of torch_npu 2.13.0,
+    re-exported by ``torch_npu.utils``, not by ``torch_npu.npu``), when torch_npu is imported."""
     torch_npu = sys.modules.get("torch_npu")
-    get = getattr(getattr(torch_npu, "npu", None), "get_cann_version", None)
+    owners = (getattr(torch_npu, "utils", None), getattr(getattr(torch_npu, "npu", None), "utils", None))
+    get = next((g for g in (getattr(owner, "get_cann_version", None) for owner in owners) if callable(g)), None)
     if get is None:
         return None
     try:

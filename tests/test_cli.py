@@ -166,7 +166,8 @@ def test_unsupported_fsdp_config_fails_before_the_model(capsys, no_model_build, 
         (["--trainer.strategy", "ddp"], "trainer.strategy='ddp' cannot be set: lp-lightning builds it from --fsdp_config"),
         (["--trainer.precision", "bf16-mixed"], "trainer.precision='bf16-mixed' cannot be set: lp-lightning builds it "
                                                 "from --precision"),
-        (["--trainer.plugins", "lightning.pytorch.plugins.environments.LightningEnvironment"], "trainer.plugins="),
+        (["--trainer.plugins", "lightning.pytorch.plugins.precision.DoublePrecision"],
+         "trainer.plugins=['lightning.pytorch.plugins.precision.DoublePrecision'] cannot be set"),
     ],
 )
 def test_trainer_strategy_precision_and_plugins_are_refused_while_parsing(capsys, no_model_build, option, message):
@@ -179,6 +180,19 @@ def test_trainer_strategy_precision_and_plugins_are_refused_while_parsing(capsys
     assert no_model_build == []
 
 
+def test_a_cluster_environment_plugin_is_passed_through(tmp_path):
+    """SLURM/LSF/... users may name their ClusterEnvironment; only precision plugins are lp-lightning's."""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from lp_lightning.cli import LPLightningCLI
+    from lp_lightning.lightning import LowPrecisionPlugin
+
+    cli = LPLightningCLI(args=["--trainer.plugins", "lightning.pytorch.plugins.environments.LightningEnvironment",
+                               "--trainer.default_root_dir", str(tmp_path)], run=False)
+    assert isinstance(cli.trainer.strategy.cluster_environment, LightningEnvironment)
+    assert isinstance(cli.trainer.precision_plugin, LowPrecisionPlugin)
+
+
 def test_help_marks_the_refused_trainer_options(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--help"])
@@ -187,7 +201,8 @@ def test_help_marks_the_refused_trainer_options(capsys):
     refused = "REFUSED by lp-lightning: it builds the {} from {}; setting this exits with status 2."
     assert "--trainer.strategy STRATEGY " + refused.format("strategy", "--fsdp_config") in help_text
     assert "--trainer.precision PRECISION " + refused.format("precision plugin", "--precision") in help_text
-    assert "--trainer.plugins+ PLUGINS " + refused.format("precision plugin", "--precision") in help_text
+    assert "--trainer.plugins+ PLUGINS " + refused.format(
+        "precision plugin (cluster environments are accepted)", "--precision") in help_text
     assert help_text.count("REFUSED by lp-lightning") == 3
 
 

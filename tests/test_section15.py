@@ -24,6 +24,7 @@ modules, and ``--print_config`` (it validates first). Refused Trainer options ar
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -191,12 +192,12 @@ def test_hif8_delayed_in_yaml_fails_at_parse_in_words(tmp_path, capsys, nothing_
 def test_wildcard_targets_fail_at_parse_from_cli_and_yaml(tmp_path, capsys, nothing_instantiated):
     rule = _linear_rule("mla", "model.layers.*.self_attn.*_proj")
     text = _fails_at_parse(capsys, nothing_instantiated, "--plan_overrides", json.dumps([rule]))
-    assert "rule 'mla': `match` entry 'model.layers.*.self_attn.*_proj' is a wildcard pattern" in text
+    assert "rule 'mla': `match` entry 'model.layers.*.self_attn.*_proj' is a wildcard" in text
     path = tmp_path / "plan.yaml"
     path.write_text("plan_overrides:\n  - {match: [model.layers.0.mlp.gate_proj], exclude: ['model.layers.?.mlp'],"
                     f" module_type: torch.nn.Linear, replace_module: {{_target_: {LINEAR_FACTORY}}}}}\n")
     text = _fails_at_parse(capsys, nothing_instantiated, "--precision", "mxfp8", "--config", str(path))
-    assert "rule 'plan_overrides[0]': `exclude` entry 'model.layers.?.mlp' is a wildcard pattern" in text
+    assert "rule 'plan_overrides[0]': `exclude` entry 'model.layers.?.mlp' is a wildcard" in text
 
 
 @pytest.mark.parametrize(
@@ -235,6 +236,20 @@ def test_zero_hits_and_wrong_type_fail_at_launch_naming_rule_and_fqn(capsys, not
                            "--plan_overrides", json.dumps([wrong]))
     assert f"rule 'experts': module 'model.layers.0.mlp.up_proj' is torch.nn.modules.linear.Linear, but the rule " \
            f"requires exactly {experts}" in text
+
+
+EMPTY_PLAN = "the replacement plan replaces no module, so precision='mxfp8' would run every GEMM in BF16"
+"""A low-precision run whose plan replaces nothing would train every GEMM in BF16: refused."""
+
+
+def test_an_empty_low_precision_plan_fails_at_launch(capsys, nothing_instantiated):
+    assert EMPTY_PLAN in _fails_at_parse(capsys, nothing_instantiated, "--precision", "mxfp8", "--plan_overrides", "[]")
+
+
+def test_an_empty_low_precision_plan_fails_at_plan_compile(tmp_path, build_stages, isolated_dist):
+    with pytest.raises(ValueError, match=re.escape(EMPTY_PLAN)):
+        _fit(DeepSeekV3LM(), LowPrecisionPlugin("mxfp8", plan_rules=()), tmp_path)
+    assert build_stages == ["model_build", "plan_compile"]
 
 
 def test_zero_hits_fail_at_plan_compile_after_model_build(tmp_path, build_stages, isolated_dist):

@@ -73,7 +73,7 @@ NAME = "npu"
 DEVICE_TYPE = "npu"
 """``torch.device`` type of the accelerator's devices (torch_npu renames PrivateUse1 to it on import)."""
 
-INSTALL_FIX = "pip install 'lp-lightning[npu]' (the torch_npu release matching your torch and CANN)"
+INSTALL_FIX = "pip install torch==2.13.0 torch-npu==2.13.0 (a torch/torch_npu pair; source CANN's set_env.sh)"
 """How to get torch_npu (named in the errors)."""
 
 

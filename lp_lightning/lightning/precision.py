@@ -305,21 +305,28 @@ class LowPrecisionFabricPlugin(FabricPrecision):
 
         Raises:
             TypeError, ValueError, ImportError: from :func:`~lp_lightning.plan.compile_plan` (a rule
-                with zero hits, a module of the wrong type, two rules on one module, ...) or when no
-                model adapter describes ``meta``.
+                with zero hits, a module of the wrong type, two rules on one module, ...), when no
+                model adapter describes ``meta``, or (ValueError) when a low-precision plan replaces
+                no module at all (e.g. ``plan_overrides: []``).
         """
         from lp_lightning.models.adapter import adapter_for
         from lp_lightning.plan import compile_plan
 
         adapter = adapter_for(meta)
         causal_lm = adapter.causal_lm(meta)
-        return compile_plan(
+        plan = compile_plan(
             causal_lm,
             self._rules(adapter, causal_lm.config),
             self.policy,
             never_replace=adapter.never_replace,
             glob_hint=adapter.glob_hint,
         )
+        if self.policy.enabled and not plan.entries:  # no 8-bit GEMM at all, although one was asked for
+            raise ValueError(
+                f"the replacement plan replaces no module, so precision={self.mode!r} would run every GEMM in "
+                "BF16; remove plan_overrides (the model's default targets) or list target FQNs in it."
+            )
+        return plan
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

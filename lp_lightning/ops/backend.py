@@ -42,6 +42,7 @@ __all__ = [
     "GateCheck",
     "LowPrecisionUnsupportedError",
     "backend_for_device_type",
+    "device_type_of_backend",
     "backend_names",
     "get_backend",
     "get_backend_impl",
@@ -184,6 +185,11 @@ def parse_backend_name(name: object, who: str) -> str:
         legal = ", ".join(repr(n) for n in (AUTO, *_REGISTRY))
         raise ValueError(f"{who}: backend={name!r}; legal values: {legal}.")
     return name  # type: ignore[return-value]
+
+
+def device_type_of_backend(name: str) -> str | None:
+    """The device type a registered backend computes on (``"npu"`` for ``npu``), ``None`` for any device."""
+    return _REGISTRY[parse_backend_name(name, "device_type_of_backend")].device_type
 
 
 def backend_for_device_type(device_type: str) -> str | None:

@@ -14,7 +14,8 @@ Backend choice (the ``backend:`` key, ``--backend``):
                    ``emulated`` on CPU and CUDA
 ``emulated``       the exact software emulation, on any device (an NPU run computes
                    with it only when this is asked for explicitly)
-``npu``            torch_npu's kernels; anywhere without an Ascend 950 the checks fail
+``npu``            torch_npu's kernels, on the npu accelerator only; without an Ascend 950
+                   the checks fail
 =================  ====================================================================
 
 In ``bf16`` no low-precision op runs (backend ``"none"``); on the ``npu`` accelerator the gate
@@ -35,6 +36,7 @@ from lp_lightning.ops.backend import (
     GateCheck,
     LowPrecisionUnsupportedError,
     backend_for_device_type,
+    device_type_of_backend,
     get_backend_impl,
     parse_backend_name,
 )
@@ -124,7 +126,13 @@ def run_startup_gate(
         spec = as_spec(format)
         fmt = spec.name
         name = requested if requested != AUTO else (hardware or "emulated")
-        checks = tuple(get_backend_impl(name).startup_checks(spec))
+        computes_on = device_type_of_backend(name)
+        if computes_on not in (None, device_type):  # e.g. --backend npu with the cpu accelerator
+            failure = (f"backend {name!r} computes on {computes_on} devices, but this run's accelerator is "
+                       f"{device_type}; pass --trainer.accelerator {computes_on}, or --backend emulated.")
+            checks = (GateCheck("backend device", f"{name} on {device_type}", False, failure),)
+        else:
+            checks = tuple(get_backend_impl(name).startup_checks(spec))
     result = StartupGateResult(requested, name, device_type, fmt, tuple(checks))
     failed = [check for check in result.checks if not check.ok]
     if failed:

@@ -7,7 +7,7 @@
    CANN's libraries on the path, is reported with its error);
 2. ``torch_npu version`` — a PEP 440 version of at least ``MIN_TORCH_NPU_VERSION``, and
    ``torch_npu matches torch`` — built for the installed torch's major.minor (torch_npu 2.13.x
-   for torch 2.13.x; the fix names ``pip install torch-npu==<torch version>``);
+   for torch 2.13.x; the fix names ``VERIFIED_PAIR``, a pair with every op);
 3. ``dtype …`` — the format's dtypes (``REQUIRED_DTYPES``);
 4. ``NPU device`` and ``SoC Ascend950`` — ``torch_npu.npu.get_device_name()`` starts with
    ``"Ascend950"``, which maps to ``SocVersion::Ascend950`` (docs/formats.md §3.2);
@@ -116,9 +116,14 @@ def _import_torch_npu() -> ModuleType | str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+VERIFIED_PAIR = "torch==2.13.0 torch-npu==2.13.0"
+"""A torch / torch_npu pair whose wheel was read and has every op, keyword and dtype of
+``REQUIRED_OPS`` / ``REQUIRED_DTYPES`` (the vendored schemas of the tests; docs/formats.md §3.1)."""
+
+
 def _matching_install() -> str:
-    """The install command for the torch_npu release of the installed torch."""
-    return f"pip install torch-npu=={Version(torch.__version__).public}"
+    """The install command of a torch / torch_npu pair with every op (named in the messages)."""
+    return f"pip install {VERIFIED_PAIR}"
 
 
 def _check(name: str, seen: str, failure: str | None) -> GateCheck:
@@ -134,14 +139,14 @@ def _version_checks(fmt: str, torch_npu: ModuleType) -> list[GateCheck]:
         failure = f"torch_npu.__version__ {seen!r} is not a PEP 440 version; reinstall it: {_matching_install()}."
         return [_check("torch_npu version", seen, failure)]
     if version < Version(MIN_TORCH_NPU_VERSION):
-        failure = (f"{fmt} on the npu backend needs torch_npu >= {MIN_TORCH_NPU_VERSION} (its MX/HiF8 dtypes "
-                   f"and op arguments, docs/formats.md §3.1), found {seen}; run {_matching_install()}.")
+        failure = (f"{fmt} on the npu backend needs torch_npu >= {MIN_TORCH_NPU_VERSION} (docs/formats.md §3.1), "
+                   f"found {seen}; install a newer pair, e.g. {_matching_install()}.")
         return [_check("torch_npu version", seen, failure)]
     built_for = ".".join(map(str, version.release[:2]))
     failure = None
     if version.release[:2] != Version(torch.__version__).release[:2]:
         failure = (f"torch_npu {seen} is built for torch {built_for} but torch {torch.__version__} is installed; "
-                   f"install the matching release: {_matching_install()}.")
+                   f"install a matching pair, e.g. {_matching_install()}.")
     return [
         _check("torch_npu version", seen, None),
         _check("torch_npu matches torch", f"torch_npu {seen}, torch {torch.__version__}", failure),
@@ -230,9 +235,8 @@ def npu_gate_checks(format: FormatSpec | str | None) -> tuple[GateCheck, ...]:
         return (_check("npu backend kernels", fmt, failure),)
     torch_npu = _import_torch_npu()
     if torch_npu is None:
-        failure = (f"{fmt} on the npu backend needs torch_npu, which is not installed. Install it with pip install "
-                   f"'lp-lightning[npu]' ({_matching_install()}, with a matching CANN), or select the 'emulated' "
-                   "backend.")
+        failure = (f"{fmt} on the npu backend needs torch_npu, which is not installed: {_matching_install()} "
+                   "(with a matching CANN), or select --backend emulated.")
         return (_check("torch_npu installed", "not installed", failure),)
     if isinstance(torch_npu, str):
         failure = (f"{fmt} on the npu backend: torch_npu is installed but fails to import ({torch_npu[:120]}); "

@@ -73,9 +73,8 @@ def _as_name_tuple(value: object, *, rule: str, key: str, allow_empty: bool, wil
             )
         if not wildcards and any(ch in name for ch in _WILDCARDS):
             raise ValueError(
-                f"rule {rule!r}: `{key}` entry {name!r} is a wildcard pattern; design spec §1.1 requires every "
-                "target listed by its full FQN (no `*`, `?` or `[`). List each module, e.g. as the model "
-                "adapter's default rules do."
+                f"rule {rule!r}: `{key}` entry {name!r} is a wildcard; targets are full FQNs (design spec §1.1, "
+                "no `*`, `?` or `[`). List each module, as configs/plan_deepseek_v3.yaml does."
             )
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})

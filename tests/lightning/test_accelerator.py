@@ -329,7 +329,7 @@ def _broken_torch_npu(monkeypatch, tmp_path) -> None:
     ("torch_npu", "message"),
     [
         ("missing", "trainer.accelerator='npu' needs torch_npu, which is not installed; install it with "
-                    "pip install 'lp-lightning[npu]' (the torch_npu release matching your torch and CANN)."),
+                    "pip install torch==2.13.0 torch-npu==2.13.0 (a torch/torch_npu pair; source CANN's set_env.sh)."),
         ("broken", "trainer.accelerator='npu': torch_npu is installed but fails to import (libascendcl.so: cannot "
                    "open shared object file"),
         ("no_device", "trainer.accelerator='npu': torch_npu.npu.is_available() is False"),

@@ -171,4 +171,4 @@ def test_bf16_with_a_torch_npu_of_another_torch_line_fails_at_startup(
         map_devices_to_cpu(monkeypatch)
         assert _fit(tmp_path / "run", token_cache_dir) == 1
     err = capsys.readouterr().err
-    assert model_builds == [] and "torch_npu 2.9.0 is built for torch 2.9" in err and "pip install torch-npu==" in err
+    assert model_builds == [] and "torch_npu 2.9.0 is built for torch 2.9" in err and "pip install torch==2.13.0 torch-npu==2.13.0" in err

@@ -49,8 +49,16 @@ def test_auto_on_npu_with_a_failing_check_is_an_error_never_the_emulation(instal
 
 def test_npu_without_torch_npu_fails_naming_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
-    with pytest.raises(StartupGateError, match="startup gate: .*torch_npu"):
-        run_startup_gate("hif8", device_type="cpu", backend="npu")
+    with pytest.raises(StartupGateError, match="startup gate: .*torch_npu, which is not installed: pip install"):
+        run_startup_gate("hif8", device_type="npu", backend="npu")
+
+
+def test_npu_backend_off_the_npu_accelerator_fails_even_with_a_working_npu(install_fake_npu):
+    """torch_npu and an Ascend 950 present, but the run's accelerator is the CPU: its tensors never reach the NPU."""
+    install_fake_npu()
+    with pytest.raises(StartupGateError, match=r"backend 'npu' computes on npu devices, but this run's accelerator "
+                                               r"is cpu; pass --trainer.accelerator npu, or --backend emulated\.$"):
+        run_startup_gate("mxfp8_e4m3", device_type="cpu", backend="npu")
 
 
 def test_emulated_on_npu_only_when_asked(install_fake_npu):

@@ -370,7 +370,7 @@ def test_hif8_quantize_argument_errors_on_the_npu_backend(fake_npu):
 # Capability gate.
 
 TORCH_RELEASE = Version(torch.__version__).public
-INSTALL = re.escape(f"pip install torch-npu=={TORCH_RELEASE}")
+INSTALL = re.escape("pip install torch==2.13.0 torch-npu==2.13.0")
 FORMATS = ("mxfp8_e4m3", "hif8")
 
 
@@ -437,12 +437,12 @@ def test_an_op_without_a_schema_is_not_taken_for_a_torch_npu_op(fake_npu, monkey
 @pytest.mark.parametrize(
     ("version", "message", "failed"),
     [
-        ("2.7.1.post6", rf"needs torch_npu >= 2\.7\.1\.post8 .* found 2\.7\.1\.post6; run {INSTALL}",
+        ("2.7.1.post6", rf"needs torch_npu >= 2\.7\.1\.post8 .* found 2\.7\.1\.post6; install a newer pair, e.g. {INSTALL}",
          ("torch_npu version", "2.7.1.post6")),
         ("2.7.1.post26.0.0", rf"torch_npu.__version__ '2\.7\.1\.post26\.0\.0' is not a PEP 440 version; .*{INSTALL}",
          ("torch_npu version", "2.7.1.post26.0.0")),
         ("2.12.0", rf"torch_npu 2\.12\.0 is built for torch 2\.12 but torch {re.escape(torch.__version__)} is "
-                   rf"installed; install the matching release: {INSTALL}",
+                   rf"installed; install a matching pair, e.g. {INSTALL}",
          ("torch_npu matches torch", f"torch_npu 2.12.0, torch {torch.__version__}")),
     ],
     ids=["too-old", "not-pep440", "other-torch-line"],
@@ -483,7 +483,7 @@ def test_the_gate_lists_every_check_in_order_with_what_it_saw(install_fake_npu, 
     assert npu.npu_gate_checks("hif8") == (
         GateCheck("torch_npu installed", "not installed", False, npu.npu_capability_error("hif8")),
     )
-    assert "not installed. Install it with pip install 'lp-lightning[npu]'" in npu.npu_capability_error("hif8")
+    assert "not installed: pip install torch==2.13.0 torch-npu==2.13.0" in npu.npu_capability_error("hif8")
     install_fake_npu()
     checks = npu.npu_gate_checks("mxfp8_e4m3")
     assert [(c.name, c.seen, c.ok, c.message) for c in checks] == [
