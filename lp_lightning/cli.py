@@ -478,6 +478,8 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
             )
             raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
     world_size = _world_size(trainer)
+    if world_size is not None:  # what the strategy checks on each rank once the process group exists
+        FSDP2Config(**section["fsdp_config"].as_dict()).resolve_dp_shard_size(world_size)
     accumulation = trainer.get("accumulate_grad_batches") or 1
     global_batch_size = section["data"].get("global_batch_size")
     if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):

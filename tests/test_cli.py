@@ -150,6 +150,7 @@ def test_low_precision_section_agreeing_with_precision_parses():
         ("--fsdp_config.comm_fusion=true", "fsdp_config.comm_fusion"),
         ("--fsdp_config.expert_parallel_size=2", "fsdp_config.expert_parallel_size"),
         ("--fsdp_config.dp_shard_size=0", "fsdp_config.dp_shard_size"),
+        ("--fsdp_config.dp_shard_size=4", "fsdp_config.dp_shard_size=4 does not match the world size 1"),
     ],
 )
 def test_unsupported_fsdp_config_fails_before_the_model(capsys, no_model_build, option, key):
