@@ -199,7 +199,8 @@ def test_backend_selection_precedence(no_torch_npu):
     with pytest.raises(LowPrecisionUnsupportedError, match="torch_npu"):  # auto on an NPU device: never emulated
         resolve_backend("hif8", "npu:0")
     set_backend("npu")
-    with pytest.raises(LowPrecisionUnsupportedError, match=r"pip install 'lp-lightning\[npu\]'"):
+    not_installed = r"needs torch_npu, which is not installed: pip install torch==2\.13\.0 torch-npu==2\.13\.0"
+    with pytest.raises(LowPrecisionUnsupportedError, match=not_installed):
         low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
     with use_backend("emulated"):
         assert get_backend() == "emulated"

@@ -7,8 +7,9 @@ reciprocal, as the NPU's DynamicQuant formula ``y = round(x / scale)``, ops-nn
 aclnnDynamicQuantV4.md). The scale is one 0-d value for 1-D/2-D tensors and one per leading group
 ``[E]`` for 3-D grouped weights. One ``data`` serves both orientations: ``orientation`` is
 recorded as metadata only. This is the portable codec, bit-exact to the binding decision on any
-device (``npu_dynamic_quant``'s rounding, overflow and default target maximum are open questions 2
-and 4 of docs/formats.md).
+device; the ``npu`` op backend computes the same amax and scale and takes the codes from
+torch_npu's ``npu_quantize`` with that scale (``npu_dynamic_quant``'s own scale rule differs;
+docs/formats.md §3.3 and open question 7).
 
 ========================  ===========================  ==========================================
 recipe                    roles                        quantizer
