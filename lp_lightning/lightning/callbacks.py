@@ -29,6 +29,15 @@ key                          meaning
                              ``on_train_batch_start`` to the last micro-batch's
                              ``on_train_batch_end`` (forward, backward, reduce-scatter, optimizer;
                              not validation or checkpointing)
+``step_time_s_steady_median`` the same median without the first ``warmup_steps_excluded`` steps
+                             (``WARMUP_STEPS`` = 5, at most all but one: warm-up and compilation)
+``loss_last_mean``           mean training loss of the last ``loss_last_mean_steps`` steps
+                             (``LOSS_MEAN_STEPS`` = 10 or fewer): compare runs on it, not on
+                             ``loss_last`` (one batch)
+``threads``                  ``torch_intra_op`` / ``torch_inter_op`` thread counts,
+                             ``OMP_NUM_THREADS`` (``null`` when unset) and ``cpu_count`` of rank 0
+``load_average``             ``start`` / ``end``: the machine's 1/5/15-minute load averages when
+                             training started and ended (other jobs on the cores slow every step)
 ``peak_memory_bytes``        max over ranks: CPU -> the process's peak RSS
                              (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, includes Python and
                              libraries); CUDA/NPU -> ``max_memory_allocated`` of the device
@@ -41,7 +50,8 @@ key                          meaning
 ``first_step``               global step index of the first step of this call (0 unless resumed)
 ``losses`` / ``grad_norms``  per-step training loss / pre-clip gradient norm of this call
 ``step_times_s``             per-step wall times (seconds)
-``low_precision``            the policy: ``{"enabled", "format", "scaling", "recipe_name"}``
+``low_precision``            the policy: ``{"enabled", "format", "scaling", "recipe_name"}``;
+                             ``null`` in ``bf16``
 ``replacement``              the replacement plan's report (``ReplacementReport.as_dict()``:
                              ``counts`` per rule, ``replaced`` FQNs, ``skipped`` with reasons);
                              ``null`` in ``bf16`` (no plan runs)
@@ -77,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import sys
@@ -200,6 +211,30 @@ class PeriodicCheckpoint(Checkpoint):
             self._save(trainer)
 
 
+LOSS_MEAN_STEPS = 10
+"""``loss_last_mean`` averages the last this many steps (one batch's loss is noisy)."""
+
+WARMUP_STEPS = 5
+"""``step_time_s_steady_median`` leaves out the first this many steps (allocator and thread warm-up,
+compilation), at most all but one."""
+
+
+def _threads() -> dict[str, Any]:
+    return {
+        "torch_intra_op": torch.get_num_threads(),
+        "torch_inter_op": torch.get_num_interop_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:  # not available on this platform
+        return None
+
+
 def _peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "max_memory_allocated"
@@ -259,10 +294,12 @@ class RunSummaryCallback(Callback):
         self._step_times: list[float] = []
         self._local_tokens = 0
         self._peak: tuple[int, str] = (0, "ru_maxrss")
+        self._load_start: list[float] | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(trainer.global_step)
+        self._load_start = _load_average()
         from lp_lightning.lightning.probes import GemmRoleCounter, RefreshCounter, WireRecorder
 
         plugin = trainer.precision_plugin
@@ -357,6 +394,9 @@ class RunSummaryCallback(Callback):
         precision, backend = self._precision_and_backend(trainer)
         steps = len(self._losses)
         median = statistics.median(self._step_times) if self._step_times else None
+        warmup = min(WARMUP_STEPS, steps - 1) if steps > 1 else 0
+        steady = statistics.median(self._step_times[warmup:]) if steps else None
+        last = self._losses[-LOSS_MEAN_STEPS:]
         tokens = self._local_tokens
         val_loss = trainer.callback_metrics.get("val/loss")
         checkpoints: list[str] = []
@@ -372,9 +412,15 @@ class RunSummaryCallback(Callback):
             "tokens": tokens,
             "loss_first": self._losses[0] if steps else None,
             "loss_last": self._losses[-1] if steps else None,
+            "loss_last_mean": statistics.fmean(last) if last else None,
+            "loss_last_mean_steps": len(last),
             "val_loss_last": None if val_loss is None else float(val_loss),
             "tokens_per_s": (tokens / steps / median) if steps and median else None,
             "step_time_s_median": median,
+            "step_time_s_steady_median": steady,
+            "warmup_steps_excluded": warmup,
+            "threads": _threads(),
+            "load_average": {"start": self._load_start, "end": _load_average()},
             "peak_memory_bytes": self._peak[0],
             "peak_memory_source": self._peak[1],
             "checkpoints": checkpoints,
@@ -424,7 +470,7 @@ class RunSummaryCallback(Callback):
                 {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
             ]
         return {
-            "low_precision": policy.as_dict() if policy is not None else None,
+            "low_precision": policy.as_dict() if policy is not None and policy.enabled else None,
             "replacement": report.as_dict() if report is not None else None,
             "sharding": sharding,
             "kernels": kernels,

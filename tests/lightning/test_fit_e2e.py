@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,15 @@ def test_run_summary_contract(runs):
     assert versions["torch"] == torch.__version__ and len(versions["git_commit"] or "x" * 40) >= 40
     assert versions["torch_npu"] is None and versions["cann"] is None  # not installed here
     assert all(Path(p).is_dir() for p in summary["checkpoints"])
+    losses, times = summary["losses"], summary["step_times_s"]
+    assert summary["loss_last_mean_steps"] == min(10, len(losses))
+    assert summary["loss_last_mean"] == pytest.approx(sum(losses[-10:]) / len(losses[-10:]), rel=1e-12)
+    warmup = summary["warmup_steps_excluded"]
+    assert warmup == min(5, len(times) - 1)
+    assert summary["step_time_s_steady_median"] == statistics.median(times[warmup:])
+    threads = summary["threads"]
+    assert threads["torch_intra_op"] >= 1 and threads["cpu_count"] == os.cpu_count()
+    assert len(summary["load_average"]["start"]) == len(summary["load_average"]["end"]) == 3
     assert (Path(summary["root"]) / "logs" / "version_0" / "metrics.csv").is_file()
 
 

@@ -153,7 +153,7 @@ def test_fit_writes_the_low_precision_run_summary(runs, precision):
 def test_bf16_run_imports_no_low_precision_module(runs):
     summary = runs("bf16")
     assert summary["precision"] == "bf16" and summary["backend"] == "none"
-    assert summary["replacement"] is None and summary["low_precision"]["enabled"] is False
+    assert summary["replacement"] is None and summary["low_precision"] is None
     assert summary["refresh"]["per_step"] == [0] * STEPS and summary["refresh"]["weights"] == 0
     assert all(summary["kernels"][role] == 0 for role in GEMM_ROLE_KEYS)
     assert summary["wire"]["low_precision_weights_gathered"] == 0
