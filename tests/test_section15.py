@@ -336,7 +336,7 @@ def test_peft_and_custom_modules_fail_in_the_plan_and_are_not_replaced(tmp_path,
     message = str(info.value)
     expected = f"module 'model.layers.0.mlp.gate_proj' is {__name__}.{found} but was torch.nn.modules.linear.Linear"
     assert expected in message
-    assert "PEFT/custom wrapper at a target FQN is never replaced (design spec §15)" in message
+    assert "PEFT/custom wrapper at a target is never replaced (design spec §15)" in message
     assert build_stages == ["model_build", "plan_compile"]  # no fully_shard
     assert not any("LowPrecision" in type(m).__name__ for m in module.model.modules())  # atomic: nothing replaced
 

@@ -229,9 +229,8 @@ class ModuleReplacementPlan:
             if type(group.module) is not entry.source_type:
                 raise TypeError(
                     f"plan.apply: module {entry.fqn!r} is {_type_name(type(group.module))} but was "
-                    f"{_type_name(entry.source_type)} at compile time (rule {entry.rule.name!r}). A subclass or "
-                    "PEFT/custom wrapper at a target FQN is never replaced (design spec §15): remove it; or the model "
-                    "was converted twice or changed after compile_plan."
+                    f"{_type_name(entry.source_type)} at compile time (rule {entry.rule.name!r}); a subclass or "
+                    "PEFT/custom wrapper at a target is never replaced (design spec §15): remove it."
                 )
             if tuple(group.fqns) != entry.fqns:
                 raise ValueError(
