@@ -49,9 +49,9 @@ from torch import nn
 from lp_lightning.formats.spec import FormatSpec, WeightKind, as_spec, shard_rows
 from lp_lightning.integration.gather import GatherPolicy, current_gather_phase
 from lp_lightning.integration.weights import (
+    declared_low_precision_params,
     iter_low_precision_weights,
     local_low_precision_weight,
-    low_precision_param_names,
 )
 from lp_lightning.tensor.weight import QuantizedWeightTensor
 
@@ -207,7 +207,7 @@ def planned_shard_violations(
 
     For the launch check (design spec §15 "illegal shard"): run it on the meta twin after
     ``plan.apply`` (structure only; the replaced modules declare their low-precision parameters,
-    :func:`~lp_lightning.integration.weights.low_precision_param_names`), so an illegal layout fails
+    :func:`~lp_lightning.integration.weights.declared_low_precision_params`), so an illegal layout fails
     once, before any process or model exists. :func:`plan_low_precision_sharding` applies the same
     rule to the finalized weights on every rank.
 
@@ -225,21 +225,9 @@ def planned_shard_violations(
             :func:`check_shard_legality`.
     """
     violations: list[ReplicatedWeight] = []
-    seen: set[int] = set()
-    for module_fqn, sub in module.named_modules():
-        found = low_precision_param_names(sub)
-        if found is None:
-            continue
-        names, kind = found
-        params = dict(sub.named_parameters(recurse=False))
-        for name in names:
-            fqn = f"{module_fqn}.{name}" if module_fqn else name
-            if name not in params:
-                raise ValueError(f"{fqn}: {type(sub).__name__} declares low-precision parameter {name!r} but has none.")
-            if id(params[name]) in seen:
-                continue
-            seen.add(id(params[name]))
-            shape = tuple(params[name].shape)
+    for module_fqn, _, kind, params in declared_low_precision_params(module):
+        for fqn, param in params:
+            shape = tuple(param.shape)
             reason = check_shard_legality(fqn, shape, kind, world_size, format)
             if reason is not None:
                 violations.append(ReplicatedWeight(fqn, module_fqn, shape, reason))

@@ -31,6 +31,7 @@ from lp_lightning.tensor.weight import QuantizedWeightTensor, _check_master
 
 __all__ = [
     "LowPrecisionWeightRecord",
+    "declared_low_precision_params",
     "finalize_low_precision_weights",
     "iter_low_precision_weights",
     "local_low_precision_weight",
@@ -93,6 +94,36 @@ def low_precision_param_names(module: nn.Module) -> tuple[tuple[str, ...], Weigh
             rule = _REGISTRY_BY_CLASS[klass]
             return rule.names, rule.kind
     return None
+
+
+def declared_low_precision_params(
+    module: nn.Module,
+) -> Iterator[tuple[str, nn.Module, WeightKind, list[tuple[str, nn.Parameter]]]]:
+    """Every module of ``module`` that declares low-precision parameters, with those parameters.
+
+    Yields ``(module_fqn, submodule, kind, [(param_fqn, param), ...])`` in ``named_modules`` order; a
+    parameter object shared under several names is listed once, at its first FQN.
+
+    Raises:
+        ValueError: a module declares a low-precision parameter it does not have.
+    """
+    seen: set[int] = set()
+    for module_fqn, sub in module.named_modules():
+        found = low_precision_param_names(sub)
+        if found is None:
+            continue
+        names, kind = found
+        own = dict(sub.named_parameters(recurse=False))
+        params = []
+        for name in names:
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            param = own.get(name)
+            if param is None:
+                raise ValueError(f"{fqn}: {type(sub).__name__} declares low-precision parameter {name!r} but has none.")
+            if id(param) not in seen:
+                seen.add(id(param))
+                params.append((fqn, param))
+        yield module_fqn, sub, kind, params
 
 
 @dataclass(frozen=True)
@@ -182,24 +213,14 @@ def finalize_low_precision_weights(
     replaced: dict[int, nn.Parameter] = {}
     records: list[LowPrecisionWeightRecord] = []
     hooked: set[int] = set()
-    for mod_fqn, mod in module.named_modules():
-        found = low_precision_param_names(mod)
-        if found is None:
-            continue
-        names, kind = found
+    for mod_fqn, mod, kind, params in declared_low_precision_params(module):
         own = getattr(mod, "recipe", None)
         if isinstance(own, LowPrecisionRecipe) and own.format is not resolved.format:
             raise ValueError(
                 f"{mod_fqn or type(mod).__name__}: the module computes with recipe {own.name!r} but the weights "
                 f"would be {resolved.name!r}; pass the same recipe."
             )
-        for name in names:
-            fqn = f"{mod_fqn}.{name}" if mod_fqn else name
-            param = dict(mod.named_parameters(recurse=False)).get(name)
-            if param is None:
-                raise ValueError(f"{fqn}: {type(mod).__name__} declares low-precision parameter {name!r} but has none.")
-            if id(param) in replaced:
-                continue
+        for fqn, param in params:
             if isinstance(param, _LowPrecisionWeightBase):
                 raise TypeError(f"{fqn}: already a low-precision weight; finalize_low_precision_weights runs once.")
             if isinstance(param, DTensor):
