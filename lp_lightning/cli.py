@@ -261,7 +261,8 @@ class LPLightningCLI(LightningCLI):
             parser_kwargs={
                 "prog": "lp-lightning",
                 "description": "Pretrain DeepSeek-V3 with FSDP2 in bf16, mxfp8 or hif8 GEMMs. Also: "
-                "`lp-lightning validate-model --help` (structure report of a spec on the meta device).",
+                "`lp-lightning validate-model --help` (structure report of a spec on the meta device), "
+                "`lp-lightning st --help` (the design spec §17 acceptance runs and report).",
             },
             parser_class=_LPArgumentParser,
             args=None if args is None else list(args),
@@ -556,6 +557,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
 
         return validate_model_main(args[1:])
+    if args and args[0] == "st":
+        from lp_lightning.st.main import st_main
+
+        return st_main(args[1:])
     try:
         LPLightningCLI(args=None if argv is None else args)
     except RuntimeError as err:

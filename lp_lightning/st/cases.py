@@ -1,0 +1,256 @@
+"""The ST cases and the runs of the Q3 matrix (design spec §16.6, §17.2).
+
+A *case* is a precision (the spec's ``STCase``: ``bf16``, ``mxfp8``, ``hif8_current``); a *run* is one
+``lp-lightning fit`` of a case with one configuration variant and the probes that collect its
+evidence. Every run starts from the same user YAML (same seed, data order, global batch and sequence
+length), so only the named dimension differs between runs:
+
+==================  =========================================  ======================================
+run                 variant (on top of the user's YAML)        evidence for
+==================  =========================================  ======================================
+``main/<case>``     ``steps`` optimizer steps (warm-up +       Q3-01/02/03 (loss, grad norm, kernels,
+                    steady), a checkpoint after ``save_step``  scales), Q3-09 (the continuous run),
+                                                               Q3-11 (step records, no heavy probe)
+``probe/<case>``    3 steps with the high-precision GEMM       Q3-02/03/04 (no fallback, the model
+                    probe and every event sampled              boundary), low-precision cases only
+``reshard/<case>``  ``reshard_after_forward`` flipped          Q3-05/06, §17.4 reshard delta
+``recompute/<c>``   ``activation_checkpoint: full``            Q3-08, §17.4 recompute delta
+``accum/<case>``    ``accumulate_grad_batches: 2`` (same       Q3-07 (low-precision cases)
+                    global batch)
+``resume/<case>``   a fresh process resuming ``main/<case>``   Q3-01, Q3-09; profiler time shares
+                    at ``save_step``, to ``steps``             (§17.4) on its last steps
+==================  =========================================  ======================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CASES", "ROW_RUNS", "RunSpec", "STCase", "STSettings", "build_runs", "case_by_name", "runs_for_rows"]
+
+PROBES = "lp_lightning.lightning.probe_callbacks"
+
+
+@dataclass(frozen=True)
+class STCase:
+    """One precision of the acceptance (design spec §16.6 ``STCase``).
+
+    Attributes:
+        name: ``"bf16"``, ``"mxfp8"`` or ``"hif8_current"``.
+        precision: The ``--precision`` value of the run.
+        low_precision: The long form of the choice (design spec §4.2), ``None`` for the BF16 baseline.
+    """
+
+    name: str
+    precision: str
+    low_precision: dict[str, Any] | None
+
+    @property
+    def is_low_precision(self) -> bool:
+        return self.low_precision is not None
+
+
+CASES: tuple[STCase, ...] = (
+    STCase("bf16", "bf16", None),
+    STCase("mxfp8", "mxfp8", {"enabled": True, "format": "mxfp8_e4m3", "scaling": "mx_block"}),
+    STCase("hif8_current", "hif8", {"enabled": True, "format": "hif8", "scaling": "current"}),
+)
+
+
+def case_by_name(name: str) -> STCase:
+    """The case called ``name``.
+
+    Raises:
+        ValueError: an unknown name, listing the cases.
+    """
+    for case in CASES:
+        if case.name == name:
+            return case
+    raise ValueError(f"unknown ST case {name!r}; cases: {', '.join(c.name for c in CASES)}.")
+
+
+@dataclass(frozen=True)
+class STSettings:
+    """Sizes of the acceptance runs (the CLI's ``--steps`` … options).
+
+    Attributes:
+        devices: Processes (FSDP2 ranks) of every run.
+        warmup_steps: Steps left out of the performance figures (allocator, threads, compilation).
+        steady_steps: Steps measured after warm-up (design spec §17.4: at least 20).
+        resume_steps: Steps after the checkpoint (Q3-09: 5); the checkpoint is saved at
+            ``warmup_steps + steady_steps - resume_steps``.
+        variant_steps: Optimizer steps of the reshard / recompute / accumulation runs (Q3-05…08: 5).
+        accumulation: ``accumulate_grad_batches`` of the accumulation runs (> 1).
+        profile_steps: Steps the profiler records at the end of each resumed run.
+        required_steps: Optimizer steps a main run and the steady window must reach (design spec
+            §17.2/§17.4: at least 20); a smaller value makes Q3-01/02/03/11 fail, not pass.
+    """
+
+    devices: int = 2
+    warmup_steps: int = 5
+    steady_steps: int = 20
+    resume_steps: int = 5
+    variant_steps: int = 5
+    accumulation: int = 2
+    profile_steps: int = 3
+    required_steps: int = 20
+
+    def __post_init__(self) -> None:
+        if self.steady_steps < 1 or self.warmup_steps < 0:
+            raise ValueError(f"steady_steps={self.steady_steps} must be >= 1 and warmup_steps={self.warmup_steps} >= 0.")
+        if not 0 < self.resume_steps < self.steps:
+            raise ValueError(f"resume_steps={self.resume_steps} must be in [1, {self.steps - 1}] (warmup + steady - 1).")
+        if self.accumulation < 2:
+            raise ValueError(f"accumulation={self.accumulation}: Q3-07 needs accumulate_grad_batches > 1.")
+        if self.variant_steps < 1 or self.devices < 1:
+            raise ValueError(f"variant_steps={self.variant_steps} and devices={self.devices} must be >= 1.")
+        if not 0 < self.profile_steps <= self.resume_steps:
+            raise ValueError(f"profile_steps={self.profile_steps} must be in [1, resume_steps={self.resume_steps}].")
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of a main run."""
+        return self.warmup_steps + self.steady_steps
+
+    @property
+    def save_step(self) -> int:
+        """The step whose checkpoint the resumed run starts from (``N`` of Q3-09)."""
+        return self.steps - self.resume_steps
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One ``lp-lightning fit`` of the matrix.
+
+    Attributes:
+        name: ``"<kind>/<case>"``, also its folder under the ST output folder.
+        kind: ``main``, ``probe``, ``reshard``, ``recompute``, ``accum`` or ``resume``.
+        case: The precision case.
+        max_steps: ``trainer.max_steps``.
+        overrides: Config values set on top of the user's YAML (dotted keys).
+        callbacks: ``trainer.callbacks`` entries (``{"class_path", "init_args"}``); ``out_dir``
+            is filled in by the runner.
+        resume_from: Name of the run whose checkpoint at ``save_step`` this run resumes.
+    """
+
+    name: str
+    kind: str
+    case: STCase
+    max_steps: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    callbacks: tuple[dict[str, Any], ...] = ()
+    resume_from: str | None = None
+
+
+def _probe(name: str, **init_args: Any) -> dict[str, Any]:
+    return {"class_path": f"{PROBES}.{name}", "init_args": init_args}
+
+
+def _every_event_probes(case: STCase) -> list[dict[str, Any]]:
+    probes = [_probe("StepRecordProbe"), _probe("RefreshProbe")]
+    if case.is_low_precision:
+        probes += [
+            _probe("GemmTraceProbe", sample_every=1),
+            _probe("GatherTraceProbe", sample_every=1),
+            _probe("ScaleStatsProbe", sample_every=1),
+        ]
+    return probes
+
+
+def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tuple[STCase, ...] = CASES) -> list[RunSpec]:
+    """The runs of the matrix, in execution order (a resumed run after its continuous run).
+
+    Args:
+        settings: Step counts and process count.
+        reshard_after_forward: The user YAML's value; the reshard runs use the other one.
+        cases: The precisions to run (default: all three).
+    """
+    runs: list[RunSpec] = []
+    digest = {"class_path": "lp_lightning.st.digest.StateDigestProbe", "init_args": {"steps": [settings.save_step]}}
+    for case in cases:
+        # The performance evidence: step records and cheap counters only, events kept for the first step.
+        main_probes = [_probe("StepRecordProbe"), _probe("RefreshProbe")]
+        if case.is_low_precision:
+            main_probes += [_probe(kind, sample_every=10**9) for kind in ("GemmTraceProbe", "GatherTraceProbe")]
+        runs.append(
+            RunSpec(
+                f"main/{case.name}", "main", case, settings.steps,
+                overrides={"checkpoint.every_n_steps": settings.save_step, "checkpoint.save_last": False},
+                callbacks=(*main_probes, digest),
+            )
+        )
+        runs.append(
+            RunSpec(
+                f"resume/{case.name}", "resume", case, settings.steps,
+                overrides={"checkpoint.every_n_steps": 0, "checkpoint.save_last": False},
+                callbacks=(
+                    _probe("StepRecordProbe"), _probe("RefreshProbe"), digest,
+                    _probe("ProfilerProbe", start_step=settings.steps - settings.profile_steps, steps=settings.profile_steps),
+                ),
+                resume_from=f"main/{case.name}",
+            )
+        )
+        variant = {"checkpoint.every_n_steps": 0, "checkpoint.save_last": False}
+        if case.is_low_precision:
+            runs.append(
+                RunSpec(
+                    f"probe/{case.name}", "probe", case, 3, overrides=dict(variant),
+                    callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.lightning.probes.HighPrecisionGemmProbe"}),
+                )
+            )
+        runs.append(
+            RunSpec(
+                f"reshard/{case.name}", "reshard", case, settings.variant_steps,
+                overrides={**variant, "fsdp_config.reshard_after_forward": not reshard_after_forward},
+                callbacks=tuple(_every_event_probes(case)),
+            )
+        )
+        runs.append(
+            RunSpec(
+                f"recompute/{case.name}", "recompute", case, settings.variant_steps,
+                overrides={**variant, "model.activation_checkpoint": "full"},
+                callbacks=tuple(_every_event_probes(case)),
+            )
+        )
+        if case.is_low_precision:
+            runs.append(
+                RunSpec(
+                    f"accum/{case.name}", "accum", case, settings.variant_steps,
+                    overrides={**variant, "trainer.accumulate_grad_batches": settings.accumulation},
+                    callbacks=tuple(_every_event_probes(case)),
+                )
+            )
+    return runs
+
+
+_LP = ("mxfp8", "hif8_current")
+_ALL = ("bf16", *_LP)
+ROW_RUNS: dict[str, tuple[str, ...]] = {
+    "Q3-01": ("main/bf16", "resume/bf16"),
+    "Q3-02": ("main/mxfp8", "probe/mxfp8"),
+    "Q3-03": ("main/hif8_current", "probe/hif8_current"),
+    "Q3-04": tuple(f"probe/{c}" for c in _LP),
+    "Q3-05": ("probe/mxfp8", "reshard/mxfp8"),
+    "Q3-06": ("probe/hif8_current", "reshard/hif8_current"),
+    "Q3-07": tuple(f"accum/{c}" for c in _LP),
+    "Q3-08": tuple(f"{k}/{c}" for k in ("recompute", "main") for c in _LP),
+    "Q3-09": tuple(f"{k}/{c}" for k in ("main", "resume") for c in _ALL),
+    "Q3-10": (),
+    "Q3-11": tuple(f"main/{c}" for c in _ALL),
+}
+"""The runs whose evidence each Q3 row reads (the report's §17.4 section also reads the bf16 variant runs)."""
+
+
+def runs_for_rows(rows: list[str]) -> set[str]:
+    """Names of the runs the given rows need (a resumed run brings its continuous run).
+
+    Raises:
+        ValueError: an unknown row id, listing the ids.
+    """
+    unknown = sorted(set(rows) - set(ROW_RUNS))
+    if unknown:
+        raise ValueError(f"unknown row(s) {unknown}; rows: {', '.join(ROW_RUNS)}.")
+    names = {name for row in rows for name in ROW_RUNS[row]}
+    return names | {name.replace("resume/", "main/") for name in names if name.startswith("resume/")}
+

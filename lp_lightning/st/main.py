@@ -1,0 +1,206 @@
+"""``lp-lightning st``: the acceptance harness (design spec §16.6, §17).
+
+Runs the cases ``bf16``, ``mxfp8`` and ``hif8_current`` through the production ``lp-lightning fit``
+with the same YAML (same seed, data order and effective batch), the Q3-01…Q3-11 matrix on top of it
+(:mod:`lp_lightning.st.cases`), the design spec §15 illegal configurations
+(:mod:`lp_lightning.st.illegal`) and the layered numerics (:mod:`lp_lightning.st.numerics`), then
+writes the report (:mod:`lp_lightning.st.report`)::
+
+    lp-lightning st --config configs/dsv3_tiny.yaml --out runs/st           # 2 CPU processes, emulated
+    lp-lightning st --config configs/dsv3_16b_bf16.yaml --devices 8 --out runs/st16b   # 8 NPUs (README)
+
+Exit status: 0 when no row fails (``pass`` or ``not-applicable``), 1 when a row fails, 2 for a
+bad option or config.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ArgumentParser
+
+from lp_lightning.st.cases import CASES, ROW_RUNS, STSettings, build_runs, case_by_name, runs_for_rows
+from lp_lightning.st.rows import Row, evaluate_rows
+from lp_lightning.st.runner import RunResult, execute_run, load_run
+
+__all__ = ["build_parser", "st_main"]
+
+PARTS = ("runs", "illegal", "numerics")
+
+
+def build_parser() -> ArgumentParser:
+    """The options of ``lp-lightning st``."""
+    parser = ArgumentParser(prog="lp-lightning st", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=str | None, default=None,
+                        help="The lp-lightning fit YAML every run starts from (default: the embedded dsv3-tiny).")
+    parser.add_argument("--out", type=str, default="runs/st", help="Output folder of the runs and the report.")
+    defaults = STSettings()
+    for name, help_text in (
+        ("devices", "Processes (FSDP2 ranks) of every run."),
+        ("warmup_steps", "Steps left out of the performance figures."),
+        ("steady_steps", "Steps measured after warm-up (design spec §17.4: at least 20)."),
+        ("resume_steps", "Steps after the checkpoint in Q3-09 (the checkpoint is at warmup+steady-resume)."),
+        ("variant_steps", "Optimizer steps of the reshard, recompute and accumulation runs."),
+        ("accumulation", "accumulate_grad_batches of the accumulation runs (> 1)."),
+        ("profile_steps", "Steps profiled at the end of each resumed run (time shares)."),
+        ("required_steps", "Steps the main runs and the steady window must reach for Q3-01/02/03/11."),
+    ):
+        parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=help_text)
+    parser.add_argument("--cases", type=list[str], default=[c.name for c in CASES],
+                        help="Cases to run (rows needing a case that did not run fail).")
+    parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
+                        help="Q3 rows to evaluate; only the runs they need are run (default: all).")
+    parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (their rows fail).")
+    parser.add_argument("--reuse_runs", type=bool, default=False,
+                        help="Read the runs already under --out instead of running them again (re-report).")
+    parser.add_argument("--run_timeout_s", type=float, default=3600.0, help="A run is killed after this long.")
+    return parser
+
+
+def _user_settings(config: str | None) -> tuple[bool, dict[str, list[str]], dict[str, Any]]:
+    """The user YAML's reshard_after_forward and the model's targets, after the CLI's checks (exit 2 if bad)."""
+    from lp_lightning.cli import parse_config
+
+    parsed = parse_config(["--config", config] if config else [])
+    targets = model_targets(parsed.model.config_name_or_path, parsed.model.config_overrides)
+    return bool(parsed.fsdp_config.reshard_after_forward), targets, {"config": config or "embedded default (dsv3-tiny)"}
+
+
+def model_targets(config_name_or_path: str, overrides: dict[str, Any] | None) -> dict[str, list[str]]:
+    """The design spec §1.1 targets of the model, found from its structure (not from the plan).
+
+    Q3-02/03/04 compare the replacement report with this list, so a plan that leaves a target out
+    fails there. Categories: ``mla`` (the ``nn.Linear`` projections of every ``self_attn``),
+    ``dense_mlp`` / ``shared_experts`` (the ``nn.Linear`` of a dense ``mlp`` / of ``mlp.shared_experts``)
+    and ``routed_experts`` (HF's stacked experts module).
+    """
+    from torch import nn
+
+    from lp_lightning.models.deepseek_v3 import build_meta_model
+    from lp_lightning.models.deepseek_v3.adapter import DEEPSEEK_V3_EXPERTS_TYPE
+
+    model = build_meta_model(config_name_or_path, config_overrides=overrides)
+    experts_type = DEEPSEEK_V3_EXPERTS_TYPE.rsplit(".", 1)[1]
+    targets: dict[str, list[str]] = {"mla": [], "dense_mlp": [], "shared_experts": [], "routed_experts": []}
+    for fqn, module in model.named_modules():
+        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        if type(module).__name__ == experts_type:
+            targets["routed_experts"].append(fqn)
+        elif type(module) is nn.Linear and parent.endswith(".self_attn"):
+            targets["mla"].append(fqn)
+        elif type(module) is nn.Linear and parent.endswith(".mlp.shared_experts"):
+            targets["shared_experts"].append(fqn)
+        elif type(module) is nn.Linear and parent.endswith(".mlp"):
+            targets["dense_mlp"].append(fqn)
+    return targets
+
+
+def _log(message: str) -> None:
+    print(f"[lp-lightning st] {message}", file=sys.stderr, flush=True)
+
+
+def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
+    from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
+
+    operators = operator_numerics()
+    one_layer = one_layer_comparison()
+    plot_operator_numerics(operators, out / "operator_numerics.png")
+    plot_one_layer(one_layer, out / "one_layer.png")
+    n1 = Row("N-1")
+    for entry in operators:
+        n1.check(
+            f"{entry['operator']} {entry['format']} {entry['tensor']} ({entry['role']})",
+            bool(entry["pass"]),
+            f"SQNR {entry['sqnr_db']} dB, nonfinite {entry['nonfinite']}",
+            f">= {entry['sqnr_floor_db']} dB (unit-test floor), nonfinite 0",
+        )
+    n2 = Row("N-2")
+    for check in one_layer.get("checks", []):
+        n2.check(check["name"], bool(check["ok"]), check.get("observed"), check.get("expected"))
+    if not one_layer.get("checks"):
+        n2.check("one-layer comparison produced checks", False, "none", "checks")
+    numerics = {
+        "operators": operators,
+        "one_layer": one_layer,
+        "plots": {"operator_numerics": "operator_numerics.png", "one_layer": "one_layer.png"},
+    }
+    return numerics, [n1, n2]
+
+
+def st_main(argv: Sequence[str] | None = None) -> int:
+    """Runs the acceptance and writes the report; returns the exit status (see the module docstring)."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        settings = STSettings(**{k: args[k] for k in STSettings.__dataclass_fields__})
+        cases = tuple(case_by_name(name) for name in args.cases)
+        unknown = sorted(set(args.skip) - set(PARTS))
+        if unknown:
+            raise ValueError(f"--skip {unknown}: unknown part; parts: {list(PARTS)}.")
+        needed = runs_for_rows(args.rows)
+        if set(args.rows) == set(ROW_RUNS):  # the full report: §17.4 also compares the bf16 variants
+            needed |= {f"{kind}/bf16" for kind in ("reshard", "recompute")}
+    except ValueError as err:
+        parser.error(str(err))
+    reshard_after_forward, targets, meta = _user_settings(args.config)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = Path(args.config).resolve() if args.config else None
+    started = time.perf_counter()
+    runs: dict[str, RunResult] = {}
+    if "runs" not in args.skip:
+        for spec in build_runs(settings, reshard_after_forward=reshard_after_forward, cases=cases):
+            if spec.name not in needed:
+                continue
+            folder = out / "runs" / spec.name
+            if args.reuse_runs and (folder / "run_summary.json").is_file():
+                runs[spec.name] = load_run(spec, folder, exit_code=0)
+                continue
+            resume = None
+            if spec.resume_from is not None:
+                source = runs.get(spec.resume_from)
+                if source is None or not source.ok:
+                    _log(f"{spec.name}: skipped, {spec.resume_from} did not finish")
+                    continue
+                resume = source.checkpoint(settings.save_step)
+            _log(f"{spec.name}: running ({spec.max_steps} steps, {settings.devices} processes)")
+            result = execute_run(spec, out, user_config=config, settings=settings, resume_checkpoint=resume,
+                                 timeout_s=args.run_timeout_s)
+            runs[spec.name] = result
+            _log(f"{spec.name}: {'ok' if result.ok else 'FAILED'} in {result.seconds:.0f} s"
+                 + ("" if result.ok else f"\n{result.error}"))
+    illegal = None
+    if "illegal" not in args.skip and "Q3-10" in args.rows:
+        from lp_lightning.st.illegal import run_illegal_cases
+
+        _log("illegal configurations (design spec §15): running")
+        illegal = run_illegal_cases(out / "illegal")
+        _log(f"illegal configurations: {sum(bool(c.get('pass')) for c in illegal)}/{len(illegal)} as specified")
+    numerics: dict[str, Any] = {}
+    numerics_rows: list[Row] = []
+    if "numerics" not in args.skip:
+        _log("layered numerics (design spec §17.3.2): running")
+        numerics, numerics_rows = _numerics(out)
+    from lp_lightning.st.report import short_run_checks, write_report
+    from lp_lightning.versions import software_versions
+
+    if all(f"main/{c.name}" in runs for c in CASES):
+        numerics_rows.append(short_run_checks(runs))
+    rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,
+                         targets=targets, only=args.rows)
+    meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
+                user_reshard_after_forward=reshard_after_forward, skipped_parts=list(args.skip),
+                cases=[c.name for c in cases], rows=list(args.rows))
+    report = write_report(out, rows=rows, runs=runs, settings=settings, numerics=numerics,
+                          numerics_rows=numerics_rows, meta=meta)
+    width = max(len(r.title) for r in rows)
+    for row in [*rows, *numerics_rows]:
+        print(f"{row.id:6} {row.title:{width}}  {row.verdict}")
+    print(f"report: {out / 'report.md'} ({json.dumps(report['summary'])})")
+    failed = any(r.verdict == "fail" for r in [*rows, *numerics_rows])
+    return 1 if failed else 0
