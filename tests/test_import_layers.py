@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lp_lightning"
 # Longest prefix wins. "format:<name>" layers are the format packages.
 LAYERS: dict[str, str] = {
     "lp_lightning.cli": "cli",
+    "lp_lightning.st": "st",
     "lp_lightning.lightning.accelerator": "accelerator",
     "lp_lightning.lightning": "lightning",
     "lp_lightning.distributed": "distributed",
@@ -71,7 +72,9 @@ ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is a
     "evidence": _GENERIC_LOW_PRECISION | {"format:mxfp8", "format:hif8"},
     # The glue observes through the public hooks of ops (GEMM events), functional (backward-node names),
     # tensor and integration (refresh and gather events); it never imports a format package.
-    "lightning": set(LAYERS.values()) - {"cli", "format:mxfp8", "format:hif8"},
+    "lightning": set(LAYERS.values()) - {"cli", "st", "format:mxfp8", "format:hif8"},
+    # The acceptance harness (`lp-lightning st`) sits on top: it may use everything; only the CLI imports it.
+    "st": set(LAYERS.values()) - {"cli"},
     "cli": set(LAYERS.values()) - {"format:mxfp8", "format:hif8"},
 }
 """What each layer may import besides itself and ``util`` (docs/architecture.md, "Layers")."""
