@@ -3,7 +3,9 @@
 ``low_precision_grouped_swiglu(x, group_list, gate_up_weight, down_weight, recipe=...)`` runs the
 routed-expert MLP over tokens already sorted by expert. It is model-agnostic: a model adapter
 (e.g. ``lp_lightning.models.deepseek_v3.experts``) sorts the token slots, builds ``group_list``
-and applies the router weights.
+and applies the router weights. ``low_precision_grouped_linear(x, group_list, weight, recipe=...)``
+is one of its projections on its own (the same fprop/dgrad/wgrad helpers), the grouped operator
+that the layered numerics of design spec §17.3.2 score GEMM by GEMM (``lp_lightning.st.numerics``).
 
 The six GEMMs (layouts as in the ``lp_lightning.ops`` contract; weights in the GMM view
 ``[E, K, N]``, the transpose of the HF parameter ``[E, N, K]``)::
@@ -58,7 +60,7 @@ from lp_lightning.functional.linear import (
 )
 from lp_lightning.ops import GemmRole, gemm_role, low_precision_grouped_matmul
 
-__all__ = ["low_precision_grouped_swiglu", "swiglu_backward"]
+__all__ = ["low_precision_grouped_linear", "low_precision_grouped_swiglu", "swiglu_backward"]
 
 _ROLE = QuantizationRole
 
@@ -277,6 +279,35 @@ class _GroupedSwiGLUFunction(torch.autograd.Function):
         return dx_TH, None, d_gate_up, d_down, None, None, None
 
 
+def _check_rows_and_group_list(who: str, x: object, group_list: object, rows: str) -> None:
+    """``x`` is a 2-D floating tensor of expert-sorted rows and ``group_list`` a 1-D int64 tensor.
+
+    Raises:
+        TypeError: naming ``who``, the expected shape ``rows`` and what was passed.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{who}: x must be a floating-point {rows} tensor of expert-sorted rows, got {got}.")
+    if not isinstance(group_list, torch.Tensor) or group_list.dtype != torch.int64 or group_list.dim() != 1:
+        got = f"{group_list.dtype} {tuple(group_list.shape)}" if isinstance(group_list, torch.Tensor) else type(group_list).__name__
+        raise TypeError(f"{who}: group_list must be a 1-D torch.int64 tensor of rows per expert, got {got}.")
+
+
+def _check_weight_format(who: str, name: str, weight: torch.Tensor, recipe: LowPrecisionRecipe) -> None:
+    """The low-precision ``weight`` holds operands of ``recipe``'s format.
+
+    Raises:
+        TypeError: for a plain-tensor weight (from ``select_weight``).
+        ValueError: for a weight of another format, naming both.
+    """
+    weight_format = select_weight(weight, "col", who=who, name=name).format
+    if weight_format is not recipe.format:
+        raise ValueError(
+            f"{who}: {name} holds {weight_format.name} operands but recipe {recipe.name!r} is "
+            f"{recipe.format.name}; build the weights with the same recipe."
+        )
+
+
 def low_precision_grouped_swiglu(
     x: torch.Tensor,
     group_list: torch.Tensor,
@@ -310,12 +341,7 @@ def low_precision_grouped_swiglu(
             recipe. Counts that are negative or do not sum to ``T`` raise in the GEMM.
     """
     who = "low_precision_grouped_swiglu"
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
-        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{who}: x must be a floating-point [T, H] tensor of expert-sorted rows, got {got}.")
-    if not isinstance(group_list, torch.Tensor) or group_list.dtype != torch.int64 or group_list.dim() != 1:
-        got = f"{group_list.dtype} {tuple(group_list.shape)}" if isinstance(group_list, torch.Tensor) else type(group_list).__name__
-        raise TypeError(f"{who}: group_list must be a 1-D torch.int64 tensor of rows per expert, got {got}.")
+    _check_rows_and_group_list(who, x, group_list, "[T, H]")
     for name, weight in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
             got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
@@ -333,12 +359,109 @@ def low_precision_grouped_swiglu(
             f"gate_up {tuple(gate_up_weight.shape)}; got group_list of {group_list.numel()} entries."
         )
     for name, weight in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
-        weight_format = select_weight(weight, "col", who=who, name=name).format
-        if weight_format is not recipe.format:
-            raise ValueError(
-                f"{who}: {name} holds {weight_format.name} operands but recipe {recipe.name!r} is "
-                f"{recipe.format.name}; build the weights with the same recipe."
-            )
+        _check_weight_format(who, name, weight, recipe)
     return _GroupedSwiGLUFunction.apply(
         x, group_list, gate_up_weight, down_weight, recipe, activation_dtype(x), torch.is_grad_enabled()
     )
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    """One grouped linear ``y_g = x_g · W_gᵀ`` (HF layout ``W [E, N, K]``) with three low-precision GEMMs:
+
+    fprop (NN: INPUT_FWD row × WEIGHT_FWD col), dgrad (NT: GRAD_OUTPUT row × WEIGHT_BWD row),
+    wgrad (TN: INPUT_BWD col-grp × GRAD_OUTPUT col-grp) — the same helpers, hence the same
+    quantisations and GEMMs, as each projection of ``_GroupedSwiGLUFunction``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x_TK: torch.Tensor,
+        group_list_E: torch.Tensor,
+        weight: torch.Tensor,
+        recipe: LowPrecisionRecipe,
+        output_dtype: torch.dtype,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        need_dw = grad_enabled and ctx.needs_input_grad[2]
+        with autocast_disabled(x_TK):
+            y_TN, x_col = _grouped_linear_forward(
+                recipe, x_TK, weight, group_list_E, need_dw, output_dtype, who="low_precision_grouped_linear",
+                name="weight",
+            )
+        saved: list[torch.Tensor] = [group_list_E, weight]
+        ctx.x_meta = None
+        if x_col is not None:
+            tensors, ctx.x_meta = pack_operand(x_col)
+            saved += tensors
+        ctx.save_for_backward(*saved)
+        ctx.recipe = recipe
+        ctx.x_dtype = x_TK.dtype
+        return y_TN
+
+    @staticmethod
+    def backward(ctx: Any, dy_TN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        group_list_E, weight, *rest = ctx.saved_tensors
+        x_col = unpack_operand(iter(rest), ctx.x_meta) if ctx.x_meta is not None else None
+        need_dx, _, need_dw = ctx.needs_input_grad[:3]
+        with autocast_disabled(dy_TN):
+            dx_TK, d_weight = _grouped_linear_backward(
+                ctx.recipe,
+                dy_TN,
+                weight,
+                x_col,
+                group_list_E,
+                need_dinput=need_dx,
+                dinput_dtype=ctx.x_dtype,
+                need_dweight=need_dw,
+                who="low_precision_grouped_linear (backward)",
+                name="weight",
+            )
+        return dx_TK, None, d_weight, None, None, None
+
+
+def low_precision_grouped_linear(
+    x: torch.Tensor, group_list: torch.Tensor, weight: torch.Tensor, *, recipe: LowPrecisionRecipe
+) -> torch.Tensor:
+    """Per-expert ``y_g = x_g · W_gᵀ`` on token-sorted rows: fprop, dgrad and wgrad as grouped GEMMs.
+
+    One projection of the routed-expert MLP on its own, built from the same helpers as
+    :func:`low_precision_grouped_swiglu` (design spec §8; the layered per-operator numerics of
+    design spec §17.3.2 score it, docs/numerics.md): fprop ``"NN"`` (INPUT_FWD row × WEIGHT_FWD
+    col), dgrad ``"NT"`` (GRAD_OUTPUT row × WEIGHT_BWD row), wgrad ``"TN"`` (INPUT_BWD col-grouped
+    × GRAD_OUTPUT col-grouped). Saved for backward: the col-grouped ``INPUT_BWD`` operand of ``x``
+    (only when the weight needs a gradient), ``group_list`` and the weight tensor.
+
+    Args:
+        x: ``[T, K]`` token slots sorted by expert, float32/bfloat16/float16.
+        group_list: ``int64 [E]`` rows per expert in that order, summing to ``T``; zeros allowed.
+        weight: Persistent low-precision weight of logical (HF) shape ``[E, N, K]``; ``select``
+            gives the GMM view ``[E, K, N]`` (``"col"`` fprop, ``"row"`` dgrad).
+        recipe: The recipe whose quantizers cast ``x`` and the output gradient; it must have the
+            weight's format.
+
+    Returns:
+        ``[T, N]`` in the activation dtype (autocast's if on, else ``x.dtype``). Backward gives
+        ``dx`` like ``x`` and ``dW`` ``[E, N, K]`` in the weight's dtype (an expert with no rows
+        gets an exactly zero slice).
+
+    Raises:
+        TypeError: for a non-floating or non-2-D ``x``, a ``group_list`` that is not a 1-D int64
+            tensor, or a plain-tensor weight.
+        ValueError: for a weight that is not ``[E, N, K]`` with ``K = x.shape[1]`` and
+            ``E = len(group_list)``, or of another format than the recipe. Counts that are
+            negative or do not sum to ``T`` raise in the GEMM.
+    """
+    who = "low_precision_grouped_linear"
+    _check_rows_and_group_list(who, x, group_list, "[T, K]")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"{who}: weight must be a 3-D [E, N, K] tensor (HF layout), got {got}.")
+    num_experts, _, k = weight.shape
+    if x.shape[1] != k or group_list.numel() != num_experts:
+        raise ValueError(
+            f"{who}: x {tuple(x.shape)} must be [T, K={k}] and group_list [{num_experts}] for weight "
+            f"{tuple(weight.shape)}; got group_list of {group_list.numel()} entries."
+        )
+    _check_weight_format(who, "weight", weight, recipe)
+    return _GroupedLinearFunction.apply(x, group_list, weight, recipe, activation_dtype(x), torch.is_grad_enabled())

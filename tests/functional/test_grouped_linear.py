@@ -27,7 +27,12 @@ import torch.nn.functional as F
 
 from lp_lightning.evidence.numerics import sqnr_db
 from lp_lightning.formats import QuantizationRole, recipe_for
-from lp_lightning.functional import grouped_linear, low_precision_grouped_swiglu, swiglu_backward
+from lp_lightning.functional import (
+    grouped_linear,
+    low_precision_grouped_linear,
+    low_precision_grouped_swiglu,
+    swiglu_backward,
+)
 from lp_lightning.ops import GemmRole, record_gemms
 from lp_reference import lp_weight, reference_grouped_gemm
 
@@ -257,3 +262,55 @@ def test_argument_errors_name_the_problem():
         low_precision_grouped_swiglu(x, gl, gate_up, down, recipe=recipe_for("mxfp8_e4m3"))
     with pytest.raises(TypeError, match="gate_up_weight is a plain Parameter"):
         low_precision_grouped_swiglu(x, gl, torch.nn.Parameter(gate_up_master), down, recipe=recipe)
+
+
+# ------------------------------------------------------------------------------------------------
+# One grouped linear on its own (the grouped operator of the layered numerics, lp_lightning.st.numerics)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_linear_matches_format_layer_reference_and_traces_three_roles(fmt):
+    counts = [30, 0, 50, 16]
+    group_list = torch.tensor(counts, dtype=torch.int64)
+    master = torch.randn(4, FF, H) * 0.1  # HF layout [E, N, K]
+    weight = lp_weight(master, fmt, "grouped")
+    x = torch.randn(96, H, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(96, FF, dtype=torch.bfloat16)
+    with record_gemms() as events:
+        y = low_precision_grouped_linear(x, group_list, weight, recipe=recipe_for(fmt))
+        y.backward(dy)
+    assert [(e.gemm_role, e.layout) for e in events] == [
+        (GemmRole.GROUPED_FPROP, "NN"), (GemmRole.GROUPED_DGRAD, "NT"), (GemmRole.GROUPED_WGRAD, "TN"),
+    ]
+    q = recipe_for(fmt).quantizer
+    w_KN = master.transpose(-2, -1)
+    ref_y = reference_grouped_gemm(
+        q(R.INPUT_FWD).quantize(x.detach(), orientation="row", group_list=group_list),
+        q(R.WEIGHT_FWD).quantize(w_KN, orientation="col"), group_list, "NN", torch.bfloat16,
+    )
+    ref_dx = reference_grouped_gemm(
+        q(R.GRAD_OUTPUT).quantize(dy, orientation="row", group_list=group_list),
+        q(R.WEIGHT_BWD).quantize(w_KN, orientation="row"), group_list, "NT", torch.bfloat16,
+    )
+    ref_dw = reference_grouped_gemm(
+        q(R.INPUT_BWD).quantize(x.detach(), orientation="col", group_list=group_list),
+        q(R.GRAD_OUTPUT).quantize(dy, orientation="col", group_list=group_list), group_list, "TN", torch.float32,
+    ).transpose(-2, -1)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    assert torch.equal(y, ref_y) and torch.equal(x.grad, ref_dx) and torch.equal(weight.grad, ref_dw)
+    assert torch.count_nonzero(weight.grad[1]) == 0  # the empty expert
+
+
+def test_grouped_linear_frozen_weight_skips_wgrad_and_checks_arguments():
+    weight = lp_weight(torch.randn(2, FF, H), "hif8", "grouped").requires_grad_(False)
+    x = torch.randn(20, H, requires_grad=True)
+    recipe = recipe_for("hif8")
+    with record_gemms() as events:
+        low_precision_grouped_linear(x, torch.tensor([12, 8]), weight, recipe=recipe).sum().backward()
+    assert [e.gemm_role for e in events] == [GemmRole.GROUPED_FPROP, GemmRole.GROUPED_DGRAD]
+    with pytest.raises(TypeError, match="group_list must be a 1-D torch.int64"):
+        low_precision_grouped_linear(x, torch.tensor([12, 8], dtype=torch.int32), weight, recipe=recipe)
+    with pytest.raises(ValueError, match=r"must be \[T, K=64\] and group_list \[2\]"):
+        low_precision_grouped_linear(x, torch.tensor([20]), weight, recipe=recipe)
+    with pytest.raises(ValueError, match="recipe 'mxfp8_e4m3_mx_block'"):
+        low_precision_grouped_linear(x, torch.tensor([12, 8]), weight, recipe=recipe_for("mxfp8_e4m3"))
