@@ -120,10 +120,17 @@ def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
             f">= {entry['sqnr_floor_db']} dB (unit-test floor), nonfinite 0",
         )
     n2 = Row("N-2")
-    for check in one_layer.get("checks", []):
-        n2.check(check["name"], bool(check["ok"]), check.get("observed"), check.get("expected"))
-    if not one_layer.get("checks"):
-        n2.check("one-layer comparison produced checks", False, "none", "checks")
+    for precision, comparison in (one_layer.get("comparisons") or {}).items():
+        bands = comparison.get("bands", {})
+        n2.check(f"{precision}: one-step loss within the band of bf16", bool(comparison.get("loss_pass")),
+                 f"rel {comparison.get('loss_rel_diff')}", f"<= {bands.get('loss_rel_band')}")
+        n2.check(f"{precision}: grad norm within the band of bf16", bool(comparison.get("grad_norm_pass")),
+                 f"rel {comparison.get('grad_norm_rel_diff')}", f"<= {bands.get('grad_norm_rel_band')}")
+        n2.check(f"{precision}: key gradients against bf16", bool(comparison.get("gradients_pass")),
+                 {fqn: g.get("sqnr_db") for fqn, g in (comparison.get("gradients") or {}).items() if g.get("checked")},
+                 f"SQNR >= {bands.get('gradient_sqnr_floor_db')} dB, cosine >= {bands.get('gradient_cosine_floor')}")
+    if not n2.checks:
+        n2.check("one-layer comparison ran", False, "no comparisons", "mxfp8 and hif8 against bf16")
     numerics = {
         "operators": operators,
         "one_layer": one_layer,

@@ -201,8 +201,9 @@ def _plot_curves(runs: dict[str, RunResult], path: Path) -> None:
         ax_norm.plot(steps, _moving_mean(clean, SMOOTHING_STEPS), color=color, linewidth=2, label=case)
     ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="Loss (raw and smoothed)")
     ax_norm.set(xlabel="optimizer step", ylabel="gradient norm (pre-clip)", title="Grad norm (raw and smoothed)")
-    ax_loss.legend(fontsize=8)
-    ax_norm.legend(fontsize=8)
+    for ax in (ax_loss, ax_norm):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -223,7 +224,8 @@ def _plot_resume(q3_09: Row, settings: STSettings, path: Path) -> None:
         ax.plot(steps[: len(resumed)], resumed, color=_COLORS[case], linestyle="none", marker="x", markersize=9,
                 label=f"{case} resumed")
     ax.set(xlabel="optimizer step", ylabel="training loss", title=f"Resume from step {settings.save_step} (Q3-09)")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
