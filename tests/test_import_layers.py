@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lp_lightning"
 
 # Longest prefix wins. "format:<name>" layers are the format packages.
 LAYERS: dict[str, str] = {
+    "lp_lightning.st": "st",
     "lp_lightning.cli": "cli",
     "lp_lightning.lightning.accelerator": "accelerator",
     "lp_lightning.lightning": "lightning",
@@ -71,8 +72,10 @@ ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is a
     "evidence": _GENERIC_LOW_PRECISION | {"format:mxfp8", "format:hif8"},
     # The glue observes through the public hooks of ops (GEMM events), functional (backward-node names),
     # tensor and integration (refresh and gather events); it never imports a format package.
-    "lightning": set(LAYERS.values()) - {"cli", "format:mxfp8", "format:hif8"},
+    "lightning": set(LAYERS.values()) - {"st", "cli", "format:mxfp8", "format:hif8"},
     "cli": set(LAYERS.values()) - {"format:mxfp8", "format:hif8"},
+    # The acceptance harness (design spec §16.6, §17) drives everything; only the CLI dispatches to it.
+    "st": set(LAYERS.values()),
 }
 """What each layer may import besides itself and ``util`` (docs/architecture.md, "Layers")."""
 
