@@ -46,6 +46,7 @@ from lp_lightning.lightning import (
 )
 from lp_lightning.models.adapter import LINEAR_FACTORY
 from lp_lightning.plan import rules_from_config
+from lp_lightning.st.illegal_child import LinearSubclass, PeftStyleWrapper  # the harness's illegal PEFT/custom modules
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -295,22 +296,8 @@ def test_plan_overrides_are_applied(tmp_path, isolated_dist):
 # ------------------------------------------------------------------------------------------------
 
 
-class _LoraWrapper(nn.Module):
-    def __init__(self, base: nn.Linear) -> None:
-        super().__init__()
-        self.base_layer = base
-        self.lora_a = nn.Linear(base.in_features, 2, bias=False, device=base.weight.device, dtype=base.weight.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(x)
-
-
-class _MyLinear(nn.Linear):
-    pass
-
-
 def _subclassed(base: nn.Linear) -> nn.Linear:
-    base.__class__ = _MyLinear
+    base.__class__ = LinearSubclass
     return base
 
 
@@ -327,14 +314,15 @@ class _CustomizedLM(DeepSeekV3LM):
         mlp.gate_proj = self.customize(mlp.gate_proj)
 
 
-@pytest.mark.parametrize(("customize", "found"), [(_LoraWrapper, "_LoraWrapper"), (_subclassed, "_MyLinear")])
+@pytest.mark.parametrize(("customize", "found"), [(PeftStyleWrapper, PeftStyleWrapper), (_subclassed, LinearSubclass)])
 def test_peft_and_custom_modules_fail_in_the_plan_and_are_not_replaced(tmp_path, build_stages, isolated_dist,
                                                                       customize, found):
     module = _CustomizedLM(customize)
     with pytest.raises(TypeError) as info:
         _fit(module, LowPrecisionPlugin("mxfp8"), tmp_path)
     message = str(info.value)
-    expected = f"module 'model.layers.0.mlp.gate_proj' is {__name__}.{found} but was torch.nn.modules.linear.Linear"
+    expected = f"module 'model.layers.0.mlp.gate_proj' is {found.__module__}.{found.__qualname__} but was " \
+               "torch.nn.modules.linear.Linear"
     assert expected in message
     assert "PEFT/custom wrapper at a target is never replaced (design spec §15)" in message
     assert build_stages == ["model_build", "plan_compile"]  # no fully_shard

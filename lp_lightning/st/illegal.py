@@ -1,0 +1,423 @@
+"""Q3-10 of design spec §17.2: every row of the §15 limit matrix fails at its agreed stage, naming what is wrong.
+
+:data:`ILLEGAL_CASES` holds one :class:`IllegalCase` per §15 row and sub-case (:data:`SECTION15_ROWS`;
+``compile / fusion`` is no Q3 promise and has no failure rule). :func:`run_illegal_cases` runs each in
+a fresh process on CPU through the production entry point — ``lp_lightning.cli.main(["fit", ...])``,
+or a short Trainer/Fabric script for what the CLI cannot express (an optimizer other than AdamW, a
+PEFT wrapper or Linear subclass at a target FQN, plan rules given to the plugin) — and judges it with
+:func:`judge`, a pure function of the case and the child's observation.
+
+Stages, in run order (how this repository realises §15's "stage" column; docs/design.md §15):
+
+=========================  =====================================================================
+``parse``                  ``lp-lightning fit`` exits with status 2 before its launch checks
+``launch``                 status 2 in the launch checks (``cli._check_launch``: ``ckpt_path``,
+                           accelerator, the plan compiled on the config's meta model, the shard
+                           rule over the world size), before any Trainer, process or model
+``instantiate``            the CLI built its classes (``instantiate_classes``)
+``startup_gate``           the strategy's startup gate (``lp_lightning.ops.gate.run_startup_gate``)
+``model_build``            the model was built (``deepseek_v3.from_hf_config``, spec validation)
+``plan_compile``           the plan compiled and applied on the built model (the precision plugin's
+                           ``convert_module``), before any ``fully_shard``
+``sharding``               ``fully_shard`` ran
+``optimizer_construction`` the optimizer check (``lp_lightning.lightning.strategy.check_optimizer``)
+``training``               a training step ran (an illegal config must never get here)
+``completed``              the run exited with status 0
+=========================  =====================================================================
+
+The stage is evidence, not assumption: the child wraps the functions named above in read-only spies
+(record the entry, call the original with the same arguments, return its result or re-raise its
+error); the observed stage is the furthest one entered (:func:`observed_stage`). The child prints
+one line ``LP_ILLEGAL_OBSERVATION {json}`` (exit status, spy events, error message and type) and exits
+with the entry point's status (2 usage error; 1 startup-gate failure or uncaught error). A case
+passes when the run fails with the status of its expected stage, at that stage, with a message
+containing every ``must_mention`` entry (config key, FQN, shape or API; whitespace folded): no
+illegal value is skipped or silently falls back.
+
+The ``npu`` accelerator case applies only where torch_npu is absent (else ``pass: None``); the
+checks of a present torch_npu (each op and dtype a format needs) are tested with a recording fake
+in ``tests/lightning/test_startup_gate.py``.
+
+The child (:mod:`lp_lightning.st.illegal_child`) is ``python -m lp_lightning.st.illegal <case-id> <workdir>``
+(files under ``<workdir>/<case-id>``). By default :func:`run_illegal_cases` runs the same child code
+in processes forked from a ``multiprocessing`` forkserver that imported torch, Lightning and
+lp_lightning once: a case then costs about 1 s instead of the ~9 s of the imports (all 31 cases:
+20-35 s on 2 busy cores, against ~7 min spawning ``python -m`` per case).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+__all__ = [
+    "ILLEGAL_CASES", "SECTION15_ROWS", "STAGES", "IllegalCase", "judge", "observed_stage", "run_illegal_cases",
+]  # fmt: skip
+
+STAGES = ("parse", "launch", "instantiate", "startup_gate", "model_build", "plan_compile", "sharding",
+          "optimizer_construction", "training", "completed")  # fmt: skip
+"""The stages in run order (module docstring)."""
+
+SECTION15_ROWS = ("hardware / backend", "model", "low-precision format", "low-precision targets", "parallelism",
+                  "FSDP comm fusion", "illegal shard", "optimizer", "checkpoint", "recompute",
+                  "PEFT / custom modules")  # fmt: skip
+"""The rows of design spec §15's limit matrix that have a failure rule (all but ``compile / fusion``)."""
+
+_STAGE_OF_EVENT = {
+    "launch_check": "launch", "instantiate_classes": "instantiate", "startup_gate": "startup_gate",
+    "model_build": "model_build", "plan_apply": "plan_compile", "fully_shard": "sharding",
+    "optimizer_check": "optimizer_construction", "training_step": "training",
+}  # fmt: skip
+"""Spy event -> the stage it proves was reached; other events (``meta_model_build``, ``plan_compile``
+at launch) are evidence only."""
+
+MARKER = "LP_ILLEGAL_OBSERVATION "
+"""Prefix of the child's one JSON line on stdout."""
+
+
+@dataclass(frozen=True)
+class IllegalCase:
+    """One illegal configuration of design spec §15 and what must happen to it.
+
+    Attributes:
+        id: Short name (the child's argument).
+        section15_row: Its row of :data:`SECTION15_ROWS`.
+        description: What is illegal, in words.
+        expected_stage: The stage (:data:`STAGES`) where it must fail.
+        must_mention: Substrings the error message must contain (config key, FQN, shape, API).
+        spec_stage: The row's stage in the §15 table (docs/design.md), e.g. ``"startup"``.
+        cli_args: ``lp-lightning fit`` options (``{case_dir}`` is the case's folder); ``None``: the
+            Trainer/Fabric script of :mod:`lp_lightning.st.illegal_child` named ``id``.
+        files: ``(name, content)`` written into the case's folder first: text, or a dict saved with
+            ``torch.save`` (a Lightning-style checkpoint file).
+        needs_absent: A module that must not be importable for the case to apply (else not applicable).
+    """
+
+    id: str
+    section15_row: str
+    description: str
+    expected_stage: str
+    must_mention: tuple[str, ...]
+    spec_stage: str
+    cli_args: tuple[str, ...] | None = None
+    files: tuple[tuple[str, Any], ...] = ()
+    needs_absent: str | None = None
+
+
+_FACTORY = "lp_lightning.modules.linear.replace_low_precision_linear"
+_EXPERTS = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
+
+
+def plan_rule(name: str, *fqns: str, module_type: str = "torch.nn.Linear", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "match": list(fqns), "module_type": module_type, "replace_module": {"_target_": _FACTORY},
+            **extra}  # fmt: skip
+
+
+def _overrides(*rules: dict[str, Any]) -> tuple[str, str]:
+    return ("--plan_overrides", json.dumps(list(rules)))
+
+
+def _cli(id: str, row: str, spec_stage: str, stage: str, description: str, args: Sequence[str],
+         mention: Sequence[str], **extra: Any) -> IllegalCase:  # fmt: skip
+    return IllegalCase(id, row, description, stage, tuple(mention), spec_stage, cli_args=tuple(args), **extra)
+
+
+def _script(id: str, row: str, spec_stage: str, stage: str, description: str, mention: Sequence[str]) -> IllegalCase:
+    return IllegalCase(id, row, description, stage, tuple(mention), spec_stage)
+
+
+_HW, _MODEL, _FORMAT, _TARGETS = SECTION15_ROWS[:4]
+_PARALLEL, _FUSION, _SHARD, _OPTIMIZER, _CKPT, _RECOMPUTE, _PEFT = SECTION15_ROWS[4:]
+_STARTUP, _GATE, _PARSE_SPEC = "startup", "startup (capability gate)", "config parse, before model build"
+_PLAN_SPEC = "replacement plan compile"
+_NO_NPU = ("--trainer.accelerator", "cpu")
+_16B = ("--config", str(Path(__file__).resolve().parents[2] / "configs" / "dsv3_16b_mxfp8.yaml"))
+_HIF8_ON = ("--precision", "hif8", "--low_precision.enabled", "true", "--low_precision.format", "hif8")
+_MXFP8_ON = ("--precision", "mxfp8", "--low_precision.enabled", "true")
+_DELAYED = "HiF8 delayed scaling is not supported"
+_NO_SUCH_FQN, _UP_PROJ = "model.layers.0.mlp.gateproj", "model.layers.0.mlp.up_proj"
+_AT_GATE_PROJ = "module 'model.layers.0.mlp.gate_proj' is lp_lightning.st.illegal_child."
+
+ILLEGAL_CASES: tuple[IllegalCase, ...] = (
+    _cli("backend-npu-on-cpu", _HW, _GATE, "startup_gate", "--backend npu with the cpu accelerator",
+         ["--precision", "mxfp8", "--backend", "npu"], ["backend 'npu'", "accelerator is cpu", "--backend emulated"]),
+    _cli("backend-unknown", _HW, _GATE, "parse", "an op backend that does not exist",
+         ["--precision", "mxfp8", "--backend", "cuda"], ['"backend"', "'auto', 'emulated', 'npu'", "cuda"]),
+    _cli("accelerator-npu-without-torch_npu", _HW, _GATE, "launch", "the npu accelerator where torch_npu is absent",
+         ["--trainer.accelerator", "npu"], ["trainer.accelerator='npu'", "torch_npu", "pip install"],
+         needs_absent="torch_npu"),
+    _cli("model-spec-mismatch", _MODEL, "after model build (spec validation)", "model_build",
+         "dsv3-tiny with 4 layers instead of 3 (the launch-time plan compile passes; the built model's spec fails)",
+         ["--precision", "mxfp8", "--model.config_overrides", '{"num_hidden_layers": 4}'],
+         ["spec 'dsv3-tiny'", "num_hidden_layers: expected 3, got 4", "--model.validate_spec false"]),
+    _cli("hif8-delayed", _FORMAT, _PARSE_SPEC, "parse", "HiF8 with delayed scaling",
+         [*_HIF8_ON, "--low_precision.scaling", "delayed"], ["low_precision.scaling='delayed'", _DELAYED]),
+    _cli("hif8-delayed-yaml", _FORMAT, _PARSE_SPEC, "parse", "HiF8 delayed scaling from a YAML low_precision section",
+         ["--config", "{case_dir}/delayed.yaml"], ["low_precision.scaling='delayed'", _DELAYED, "scaling: current"],
+         files=(("delayed.yaml", "precision: hif8\nlow_precision: {enabled: true, format: hif8, scaling: delayed}"),)),
+    _cli("mxfp8-current", _FORMAT, _PARSE_SPEC, "parse", "MXFP8 with per-tensor current scaling",
+         [*_MXFP8_ON, "--low_precision.scaling", "current"],
+         ["illegal low-precision pair mxfp8_e4m3+current", "mxfp8_e4m3+mx_block, hif8+current"]),
+    _cli("hif8-mx_block", _FORMAT, _PARSE_SPEC, "parse", "HiF8 with MX block scaling", _HIF8_ON,
+         ["illegal low-precision pair hif8+mx_block"]),
+    _cli("low_precision-disagrees", _FORMAT, _PARSE_SPEC, "parse",
+         "--precision hif8 with a low_precision section that is not enabled",
+         ["--precision", "hif8", "--low_precision.format", "hif8", "--low_precision.scaling", "current"],
+         ["precision='hif8'", "low_precision.enabled: true"]),
+    _cli("bf16-names-hif8", _FORMAT, _PARSE_SPEC, "parse", "a bf16 run whose low_precision section names hif8+current",
+         ["--low_precision.format", "hif8", "--low_precision.scaling", "current"],
+         ["hif8+current but enabled=False", "train in bf16"]),
+    _cli("trainer-precision", _FORMAT, _PARSE_SPEC, "parse", "Lightning's own precision instead of --precision",
+         ["--trainer.precision", "bf16-mixed"], ["trainer.precision='bf16-mixed' cannot be set", "--precision"]),
+    _cli("targets-wildcard", _TARGETS, _PLAN_SPEC, "parse", "a wildcard instead of explicit target FQNs",
+         _overrides(plan_rule("mla", "model.layers.*.self_attn.*_proj")),
+         ["rule 'mla'", "`match` entry 'model.layers.*.self_attn.*_proj' is a wildcard"]),
+    _cli("targets-unknown-key", _TARGETS, _PLAN_SPEC, "parse", "a replacement rule with a key the schema lacks",
+         ["--precision", "mxfp8", *_overrides(plan_rule("mlp", "model.layers.0.mlp.gate_proj", format="hif8"))],
+         ["plan_overrides[0]", "unknown rule key(s) ['format']"]),
+    _cli("targets-duplicate-names", _TARGETS, _PLAN_SPEC, "parse", "two replacement rules with one name",
+         _overrides(plan_rule("mlp", "model.layers.0.mlp.gate_proj"), plan_rule("mlp", "model.layers.0.mlp.up_proj")),
+         ["replacement rule names must be unique", "['mlp']"]),
+    _cli("targets-zero-hits", _TARGETS, _PLAN_SPEC, "launch", "a target FQN that names no module",
+         ["--precision", "hif8", *_overrides(plan_rule("mlp", "model.layers.0.mlp.gate_proj", _NO_SUCH_FQN))],
+         ["rule 'mlp'", f"'{_NO_SUCH_FQN}'", "nearest FQNs"]),
+    _cli("targets-wrong-type", _TARGETS, _PLAN_SPEC, "launch", "a target whose module is not the rule's module_type",
+         ["--precision", "mxfp8", *_overrides(plan_rule("experts", _UP_PROJ, module_type=_EXPERTS))],
+         ["rule 'experts'", f"'{_UP_PROJ}'", "torch.nn.modules.linear.Linear", "DeepseekV3Experts"]),
+    _cli("targets-empty-plan", _TARGETS, _PLAN_SPEC, "launch", "a low-precision run whose plan replaces nothing",
+         ["--precision", "mxfp8", "--plan_overrides", "[]"],
+         ["replaces no module", "precision='mxfp8'", "plan_overrides"]),
+    _script("targets-zero-hits-trainer", _TARGETS, _PLAN_SPEC, "plan_compile",
+            "Trainer + LowPrecisionPlugin(plan_rules=...) naming a layer that does not exist (the per-rank check)",
+            ["rule 'mla'", "'model.layers.9.self_attn.q_proj'", "nearest FQNs"]),
+    *(_cli(f"{short}-2", _PARALLEL, _STARTUP, "parse", f"fsdp_config.{key}=2", [f"--fsdp_config.{key}", "2"],
+           [f"fsdp_config.{key}=2 is not supported", f"set `{key}: 1`"])
+      for short, key in (("tp", "tensor_parallel_size"), ("cp", "context_parallel_size"),
+                         ("ep", "expert_parallel_size"), ("pp", "pipeline_parallel_size"))),
+    _cli("comm-fusion", _FUSION, _STARTUP, "parse", "FSDP communication fusion", ["--fsdp_config.comm_fusion", "true"],
+         ["fsdp_config.comm_fusion=true is not supported", "set `comm_fusion: false`"]),
+    _cli("shard-illegal-no-fallback", _SHARD, "sharding (startup)", "launch",
+         "dsv3-16b MXFP8 over 8 ranks with fsdp_config.fallback_to_unsharded false (84 weights break the rule)",
+         [*_16B, "--fsdp_config.fallback_to_unsharded", "false", *_NO_NPU],
+         ["84 low-precision weight(s) cannot be sharded over 8 ranks", "fsdp_config.fallback_to_unsharded",
+          "model.layers.0.self_attn.kv_a_proj_with_mqa.weight: shape (3136, 2048)", "rows per rank [392,"]),
+    _script("optimizer-sgd-trainer", _OPTIMIZER, "optimizer construction", "optimizer_construction",
+            "a LightningModule whose configure_optimizers returns torch.optim.SGD",
+            ["optimizer torch.optim.sgd.SGD is not supported", "torch.optim.AdamW"]),
+    _script("optimizer-sgd-fabric", _OPTIMIZER, "optimizer construction", "optimizer_construction",
+            "fabric.setup_optimizers(torch.optim.SGD(...))",
+            ["optimizer torch.optim.sgd.SGD is not supported", "torch.optim.AdamW"]),
+    _script("optimizer-bf16-moments-fabric", _OPTIMIZER, "optimizer construction", "optimizer_construction",
+            "fabric.setup_optimizers(AdamW) whose state holds a BF16 exp_avg (e.g. restored from a BF16 state)",
+            ["torch.optim.AdamW state 'exp_avg' is torch.bfloat16", "FP32 moments"]),
+    _cli("checkpoint-not-dcp", _CKPT, _STARTUP, "launch", "a Lightning .ckpt file as ckpt_path",
+         ["--ckpt_path", "{case_dir}/last.ckpt"], ["ckpt_path=", "last.ckpt", "is not a DCP checkpoint folder"],
+         files=(("last.ckpt", {"state_dict": {}, "hyper_parameters": {}}),)),
+    _cli("recompute-selective", _RECOMPUTE, "—", "parse", "selective activation checkpointing",
+         ["--model.activation_checkpoint", "selective"],
+         ['"model.activation_checkpoint"', "'off', 'full'", "selective"]),
+    _script("peft-lora-wrapper", _PEFT, _PLAN_SPEC, "plan_compile",
+            "configure_model puts a LoRA-style wrapper at the target model.layers.0.mlp.gate_proj",
+            [f"{_AT_GATE_PROJ}PeftStyleWrapper", "never replaced"]),
+    _script("custom-linear-subclass", _PEFT, _PLAN_SPEC, "plan_compile",
+            "configure_model turns the target model.layers.0.mlp.gate_proj into a Linear subclass",
+            [f"{_AT_GATE_PROJ}LinearSubclass", "never replaced"]),
+)  # fmt: skip
+"""One case per design spec §15 row and sub-case (module docstring)."""
+
+_RUN_ARGS = ("--trainer.default_root_dir", "{case_dir}/run", "--trainer.max_steps", "1", "--trainer.logger", "false",
+             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+             "--checkpoint.every_n_steps", "100", "--data.sources", "[{case_dir}/corpus.txt]",
+             "--data.cache_dir", "{case_dir}/tokens", "--data.seq_len", "32", "--data.val_batches", "1")  # fmt: skip
+"""Appended to every CLI case: a run that got through would stay inside its folder, on a tiny corpus, 1 step."""
+
+
+def case_argv(case: IllegalCase, case_dir: Path) -> list[str]:
+    """The ``lp-lightning`` arguments of a CLI case: ``fit``, its ``cli_args``, then :data:`_RUN_ARGS`."""
+    assert case.cli_args is not None
+    return ["fit", *(arg.replace("{case_dir}", str(case_dir)) for arg in (*case.cli_args, *_RUN_ARGS))]
+
+
+def observed_stage(events: Iterable[Sequence[str]], exit_code: int | None) -> str:
+    """The furthest stage the spy ``events`` prove (module docstring); ``"completed"`` for exit status 0.
+
+    Args:
+        events: ``[name, outcome]`` pairs in the order the spies were entered.
+        exit_code: The child's exit status (``None``: it did not finish).
+    """
+    if exit_code == 0:
+        return "completed"
+    reached = [STAGES.index(_STAGE_OF_EVENT[name]) for name, *_ in events if name in _STAGE_OF_EVENT]
+    return STAGES[max(reached, default=0)]
+
+
+def judge(case: IllegalCase, observation: Mapping[str, Any]) -> dict[str, Any]:
+    """The verdict on one case from what its child observed.
+
+    Args:
+        case: The case.
+        observation: ``exit_code`` (int or ``None``), ``events`` (``[name, outcome]`` pairs), ``message``
+            (the error message), optional ``error_type`` and ``problem`` (the child could not observe).
+
+    Returns:
+        ``observed_stage``, ``message`` (whitespace folded), ``mentions_ok``, ``pass`` and ``problems``
+        (why it failed, empty when it passed).
+    """
+    exit_code = observation.get("exit_code")
+    stage = observed_stage(observation.get("events", ()), exit_code) if exit_code is not None else "no exit"
+    message = " ".join(str(observation.get("message") or "").split())
+    missing = [word for word in case.must_mention if word not in message]
+    problems = [observation["problem"]] if observation.get("problem") else []
+    if exit_code == 0:
+        problems.append("the run did not fail: the illegal value was accepted")
+    if stage != case.expected_stage:
+        problems.append(f"failed at stage {stage!r}, expected {case.expected_stage!r}")
+    expected_status = 2 if case.expected_stage in ("parse", "launch") else 1
+    if exit_code not in (0, None, expected_status):
+        problems.append(f"exit status {exit_code}, expected {expected_status}")
+    if not message:
+        problems.append("no error message")
+    elif missing:
+        problems.append(f"the message does not name {missing}")
+    return {"observed_stage": stage, "message": message, "mentions_ok": not missing, "pass": not problems,
+            "problems": problems}  # fmt: skip
+
+
+_PRELOAD = ("lp_lightning.st.illegal_child", "lp_lightning.cli", "lp_lightning.lightning", "lp_lightning.plan",
+            "lp_lightning.models.deepseek_v3", "lp_lightning.ops.gate", "lightning.fabric")  # fmt: skip
+"""What the forkserver imports once, so each forked child starts with the imports done (~8 s each otherwise)."""
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    root = str(Path(__file__).resolve().parents[2])  # this lp_lightning, whatever the working directory
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _spawn(case: IllegalCase, workdir: Path, timeout_s: float) -> int | None:
+    """``python -m lp_lightning.st.illegal <id> <workdir>``; its exit status (``None``: killed at the timeout)."""
+    case_dir = workdir / case.id
+    with open(case_dir / "stdout.txt", "w") as out, open(case_dir / "stderr.txt", "w") as err:
+        try:
+            return subprocess.run(_child_command(case, workdir), stdout=out, stderr=err, timeout=timeout_s,
+                                  env=_child_env()).returncode  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def _fork(case: IllegalCase, workdir: Path, timeout_s: float, context: Any) -> int | None:
+    """``illegal_child.run_child`` forked from the preloaded forkserver; its exit status (``None``: timeout)."""
+    from lp_lightning.st.illegal_child import run_child
+
+    process = context.Process(target=run_child, args=(case, str(workdir), True), name=f"lp-illegal-{case.id}")
+    process.start()
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        return None
+    return process.exitcode
+
+
+def _child_command(case: IllegalCase, workdir: Path) -> list[str]:
+    return [sys.executable, "-m", __name__, case.id, str(workdir)]
+
+
+def _run_one(case: IllegalCase, workdir: Path, timeout_s: float, context: Any) -> dict[str, Any]:
+    case_dir = workdir / case.id
+    case_dir.mkdir(parents=True, exist_ok=True)
+    cli = ["lp-lightning", *case_argv(case, case_dir)] if case.cli_args is not None else None
+    result = {"id": case.id, "section15_row": case.section15_row, "description": case.description,
+              "command": shlex.join(cli or _child_command(case, workdir)), "spec_stage": case.spec_stage,
+              "expected_stage": case.expected_stage, "must_mention": list(case.must_mention)}  # fmt: skip
+    if case.needs_absent and importlib.util.find_spec(case.needs_absent) is not None:
+        return {**result, "observed_stage": None, "exit_code": None, "message": "", "mentions_ok": None,
+                "pass": None, "problems": [], "error_type": None, "events": [], "seconds": 0.0,
+                "note": f"not applicable: {case.needs_absent} is installed here"}  # fmt: skip
+    start = time.perf_counter()
+    exit_code = _spawn(case, workdir, timeout_s) if context is None else _fork(case, workdir, timeout_s, context)
+    seconds = time.perf_counter() - start
+    stdout = (case_dir / "stdout.txt").read_text(errors="replace")
+    lines = [line[len(MARKER):] for line in stdout.splitlines() if line.startswith(MARKER)]
+    if exit_code is None:
+        observation: dict[str, Any] = {"exit_code": None, "problem": f"no exit within {timeout_s:g} s"}
+    elif not lines:
+        stderr = (case_dir / "stderr.txt").read_text(errors="replace")
+        observation = {"exit_code": exit_code, "problem": f"the child printed no observation; stderr: {stderr[-300:]}"}
+    else:
+        observation = json.loads(lines[-1])
+        if observation["exit_code"] != exit_code:
+            observation["problem"] = f"the child reported status {observation['exit_code']} but exited {exit_code}"
+            observation["exit_code"] = exit_code
+    return {**result, **judge(case, observation), "exit_code": exit_code, "error_type": observation.get("error_type"),
+            "events": observation.get("events", []), "seconds": round(seconds, 2)}  # fmt: skip
+
+
+def run_illegal_cases(
+    workdir: str | os.PathLike[str],
+    *,
+    cases: Iterable[IllegalCase | str] | None = None,
+    timeout_s: float = 300.0,
+    jobs: int = 2,
+    preload: bool = True,
+) -> list[dict[str, Any]]:
+    """Runs the cases, each in a fresh child process, ``jobs`` at a time, and judges them (module docstring).
+
+    Args:
+        workdir: Folder for the cases' files and logs (``<workdir>/<id>/stdout.txt``, ``stderr.txt``).
+        cases: Cases or case ids (default: :data:`ILLEGAL_CASES`). A case object may differ from the
+            table's (e.g. another ``expected_stage``); a forked child runs it as given, a spawned one
+            looks its id up in the table, so without ``preload`` only its expectations may differ.
+        timeout_s: Limit per child; a child past it is killed and its case fails.
+        jobs: Children running at once.
+        preload: Fork each child from a ``multiprocessing`` forkserver that imported lp_lightning,
+            Lightning and torch once (the forkserver stays until this process exits); ``False``
+            starts ``python -m lp_lightning.st.illegal <id> <workdir>`` per case (each imports
+            everything itself, ~8 s). Either way the child runs the same code with its own spies.
+
+    Returns:
+        One dict per case, in the given order: ``id``, ``section15_row``, ``description``, ``command``
+        (the ``lp-lightning fit`` line, or the child's command for a script case), ``spec_stage``,
+        ``expected_stage``, ``observed_stage``, ``exit_code``, ``message``, ``must_mention``,
+        ``mentions_ok``, ``pass`` (``None``: not applicable here, see ``note``), ``problems``,
+        ``error_type``, ``events`` (the spies' ``[name, outcome]``) and ``seconds`` (the child's wall
+        time; with ``preload`` without the imports).
+
+    Raises:
+        KeyError: an unknown case id.
+        ValueError: without ``preload``, a case whose ``cli_args``/``files`` differ from the table's.
+    """
+    by_id = {case.id: case for case in ILLEGAL_CASES}
+    selected = [by_id[c] if isinstance(c, str) else c for c in (ILLEGAL_CASES if cases is None else cases)]
+    for case in selected if not preload else ():
+        table = by_id.get(case.id)
+        if table is None or (table.cli_args, table.files) != (case.cli_args, case.files):
+            raise ValueError(f"case {case.id!r} is not the table's; a spawned child runs ILLEGAL_CASES by id. "
+                             "Pass preload=True to run a case of your own.")  # fmt: skip
+    root = Path(workdir)
+    context = None
+    if preload:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(_PRELOAD))
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(lambda case: _run_one(case, root, timeout_s, context), selected))
+
+
+if __name__ == "__main__":  # the child of a case (lp_lightning.st.illegal_child)
+    from lp_lightning.st.illegal_child import main
+
+    main()

@@ -1,0 +1,233 @@
+"""The child side of :mod:`lp_lightning.st.illegal`: one illegal case run in this process, observed by spies.
+
+:func:`run_child` installs the read-only stage spies (``lp_lightning.st.illegal``'s module docstring),
+writes the case's files, runs ``lp_lightning.cli.main(["fit", ...])`` or the case's Trainer/Fabric
+script with stderr kept, prints ``LP_ILLEGAL_OBSERVATION {json}`` and exits with the entry point's
+status. Entry: ``python -m lp_lightning.st.illegal <case-id> <workdir>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lp_lightning.st.illegal import ILLEGAL_CASES, MARKER, IllegalCase, case_argv, plan_rule
+
+__all__ = ["LinearSubclass", "PeftStyleWrapper", "main", "run_child"]
+
+_NO_SUCH_LAYER = "model.layers.9.self_attn.q_proj"  # dsv3-tiny has 3 layers
+
+
+def _install_spies(events: list[list[str]]) -> None:
+    """Wraps the stage functions (``lp_lightning.st.illegal``'s stage table): each call is recorded, then runs as is."""
+    import lp_lightning.cli as cli
+    import lp_lightning.distributed.fsdp as fsdp
+    import lp_lightning.lightning.strategy as strategy
+    import lp_lightning.models.deepseek_v3 as deepseek_v3
+    import lp_lightning.ops.gate as gate
+    from lp_lightning.lightning import DeepSeekV3LM, LowPrecisionFabricPlugin
+
+    def spy(owner: Any, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            entry = [name, "entered"]
+            events.append(entry)
+            try:
+                return original(*args, **kwargs)
+            except BaseException as err:
+                entry[1] = f"raised {type(err).__name__}"
+                raise
+
+        setattr(owner, attribute, recorded)
+
+    for owner, attribute, name in (
+        (cli, "_check_launch", "launch_check"), (cli.LPLightningCLI, "instantiate_classes", "instantiate_classes"),
+        (gate, "run_startup_gate", "startup_gate"), (deepseek_v3, "build_meta_model", "meta_model_build"),
+        (deepseek_v3, "from_hf_config", "model_build"), (LowPrecisionFabricPlugin, "compile_plan", "plan_compile"),
+        (LowPrecisionFabricPlugin, "convert_module", "plan_apply"), (fsdp, "fully_shard", "fully_shard"),
+        (strategy, "check_optimizer", "optimizer_check"), (DeepSeekV3LM, "training_step", "training_step"),
+    ):  # fmt: skip
+        spy(owner, attribute, name)
+
+
+class PeftStyleWrapper(nn.Module):
+    """A LoRA-style wrapper (``base_layer`` + adapter) as PEFT puts at a target FQN (case ``peft-lora-wrapper``).
+
+    ``forward`` returns ``base_layer(x)``: ``[..., in_features] -> [..., out_features]``.
+    """
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = nn.Linear(base.in_features, 2, bias=False, device=base.weight.device, dtype=base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+
+class LinearSubclass(nn.Linear):
+    """A user's ``nn.Linear`` subclass at a target FQN (case ``custom-linear-subclass``)."""
+
+
+def _trainer_fit(case_dir: Path, module: Any, plugin: Any) -> None:
+    """A one-step Trainer run (FSDP2Strategy, one CPU rank) on two synthetic batches."""
+    import lightning.pytorch as pl
+
+    from lp_lightning.lightning import FSDP2Strategy
+
+    ids = torch.randint(0, 256, (2, 2, 9), generator=torch.Generator().manual_seed(0))
+    batches = [{"input_ids": row[:, :-1], "labels": row[:, 1:]} for row in ids]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=FSDP2Strategy(), plugins=[plugin], max_steps=1, limit_val_batches=0,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=str(case_dir / "run"),
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+
+
+def _fabric_model() -> tuple[Any, Any]:
+    """A launched one-rank Fabric (FSDP2FabricStrategy, bf16 plugin) and its set-up dsv3-tiny."""
+    from lightning.fabric import Fabric
+
+    import lp_lightning.models.deepseek_v3 as deepseek_v3
+    from lp_lightning.lightning import FSDP2FabricStrategy, LowPrecisionFabricPlugin
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(),
+                    plugins=[LowPrecisionFabricPlugin("bf16")])  # fmt: skip
+    fabric.launch()
+    return fabric, fabric.setup_module(deepseek_v3.from_hf_config("dsv3-tiny", seed=0))
+
+
+def _script_case(name: str, case_dir: Path) -> None:
+    """Runs the script case ``name`` (the rows the CLI cannot express); it is expected to raise."""
+    from lp_lightning.lightning import DeepSeekV3LM, LowPrecisionPlugin
+    from lp_lightning.plan import rules_from_config
+
+    if name == "targets-zero-hits-trainer":
+        rules = rules_from_config([plan_rule("mla", "model.layers.0.self_attn.q_proj", _NO_SUCH_LAYER)])
+        _trainer_fit(case_dir, DeepSeekV3LM(), LowPrecisionPlugin("mxfp8", plan_rules=rules))
+    elif name == "optimizer-sgd-trainer":
+
+        class SGDModule(DeepSeekV3LM):
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+        _trainer_fit(case_dir, SGDModule(), LowPrecisionPlugin("bf16"))
+    elif name == "optimizer-sgd-fabric":
+        fabric, model = _fabric_model()
+        fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    elif name == "optimizer-bf16-moments-fabric":
+        fabric, model = _fabric_model()
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        adamw.state[next(iter(model.parameters()))] = {"step": torch.tensor(1.0),
+                                                       "exp_avg": torch.zeros((), dtype=torch.bfloat16)}  # fmt: skip
+        fabric.setup_optimizers(adamw)
+    elif name in ("peft-lora-wrapper", "custom-linear-subclass"):
+        def customize(base: nn.Linear) -> nn.Module:
+            if name == "peft-lora-wrapper":
+                return PeftStyleWrapper(base)
+            base.__class__ = LinearSubclass
+            return base
+
+        class CustomizedLM(DeepSeekV3LM):
+            def configure_model(self) -> None:
+                super().configure_model()
+                mlp = self.model.model.layers[0].mlp
+                mlp.gate_proj = customize(mlp.gate_proj)
+
+        _trainer_fit(case_dir, CustomizedLM(), LowPrecisionPlugin("mxfp8"))
+    else:
+        raise KeyError(f"no script case {name!r}")
+
+
+def _write_files(case: IllegalCase, case_dir: Path) -> None:
+    (case_dir / "corpus.txt").write_text("Every illegal configuration fails at its stage.\n" * 64)
+    for name, content in case.files:
+        if isinstance(content, str):
+            (case_dir / name).write_text(content)
+        else:
+            torch.save(content, case_dir / name)
+
+
+def _observe(case: IllegalCase, case_dir: Path) -> dict[str, Any]:
+    """Runs ``case`` in this process with the spies installed.
+
+    Returns:
+        ``exit_code`` (what the interpreter would exit with), ``events`` (the spies' ``[name, outcome]``
+        in entry order), ``message`` (the usage error after ``error: ``, the startup gate's
+        ``lp-lightning: ...`` line, or the uncaught error's text) and ``error_type`` (its class).
+    """
+    events: list[list[str]] = []
+    _install_spies(events)
+    _write_files(case, case_dir)
+    captured = io.StringIO()
+    error_type, message = None, ""
+
+    class Tee(io.TextIOBase):  # the CLI's stderr, kept for the message and still shown
+        def write(self, text: str) -> int:
+            captured.write(text)
+            return sys.__stderr__.write(text)
+
+    try:
+        with contextlib.redirect_stderr(Tee()):
+            if case.cli_args is not None:
+                from lp_lightning.cli import main
+
+                exit_code = main(case_argv(case, case_dir))
+            else:
+                _script_case(case.id, case_dir)
+                exit_code = 0
+    except SystemExit as err:
+        exit_code = 0 if err.code is None else err.code if isinstance(err.code, int) else 1  # as the interpreter
+        message = ("\n" + captured.getvalue()).partition("\nerror: ")[2]  # jsonargparse: "...\nerror: <message>"
+    except Exception as err:  # an uncaught error: the interpreter would print it and exit 1
+        traceback.print_exc()
+        exit_code, error_type, message = 1, f"{type(err).__module__}.{type(err).__qualname__}", str(err)
+    else:
+        gate_lines = [line for line in captured.getvalue().splitlines() if line.startswith("lp-lightning: ")]
+        message = gate_lines[-1] if exit_code and gate_lines else ""
+    return {"exit_code": exit_code, "events": events, "message": message, "error_type": error_type}
+
+
+def run_child(case: IllegalCase | str, workdir: str, redirect: bool) -> None:
+    """Observes one case in this process, prints the observation line, exits with the run's status.
+
+    ``redirect`` points this process's stdout/stderr (file descriptors 1 and 2) at
+    ``<workdir>/<id>/stdout.txt``/``stderr.txt`` first (a forked child; a spawned one is redirected
+    by its parent).
+    """
+    if isinstance(case, str):
+        case = {c.id: c for c in ILLEGAL_CASES}[case]
+    case_dir = Path(workdir) / case.id
+    case_dir.mkdir(parents=True, exist_ok=True)
+    if redirect:
+        for fd, name in ((1, "stdout.txt"), (2, "stderr.txt")):
+            with open(case_dir / name, "w") as file:
+                os.dup2(file.fileno(), fd)
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+    observation = _observe(case, case_dir)
+    print(MARKER + json.dumps(observation), flush=True)
+    sys.stderr.flush()
+    os._exit(observation["exit_code"])  # no interpreter teardown: a failed run may leave gloo threads behind
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The child: ``python -m lp_lightning.st.illegal <case-id> <workdir>`` (see :func:`run_child`)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if len(args) != 2:
+        sys.exit("usage: python -m lp_lightning.st.illegal <case-id> <workdir>")
+    run_child(args[0], args[1], redirect=False)
