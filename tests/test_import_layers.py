@@ -18,7 +18,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lp_lightning"
 
 # Longest prefix wins. "format:<name>" layers are the format packages.
 LAYERS: dict[str, str] = {
-    "lp_lightning.st": "st",
     "lp_lightning.cli": "cli",
     "lp_lightning.st": "st",
     "lp_lightning.lightning.accelerator": "accelerator",
