@@ -330,6 +330,21 @@ _DATA_DTYPE = {"mxfp8": "float8_e4m3fn", "hif8_current": "uint8"}
 _SCALE_DTYPE = {"mxfp8": "float8_e8m0fnu", "hif8_current": "float32"}
 
 
+def _wire_checks(row: Row, run: RunResult) -> None:
+    """Every replaced module's weights travel as 8-bit payloads (none in BF16/FP32) in every step."""
+    wire = (run.summary or {}).get("wire") or {}
+    hp = wire.get("high_precision_gathers_of_replaced")
+    row.check(f"{run.spec.name}: no high-precision gather of a replaced weight", hp == 0, hp, 0)
+    gathered = {e["fqn"] for e in _pre_events(run)}
+    replaced = [item["fqn"] for item in ((run.summary or {}).get("replacement") or {}).get("replaced", [])]
+    missing = sorted(m for m in replaced if not any(f.startswith(m + ".") for f in gathered))
+    row.check(f"{run.spec.name}: every replaced module's weights gathered as 8-bit payloads", bool(replaced) and not missing,
+              missing[:5] or f"{len(replaced)} modules", "[]")
+    wide = sorted({f"{e['fqn']} {name} {dtype}" for e in _pre_events(run) for name, dtype, _ in e.get("tensors", [])
+                   if dtype != "uint8"})
+    row.check(f"{run.spec.name}: all-gather inputs are uint8 slots", not wide, wide[:5] or "all uint8", "uint8")
+
+
 def _rebuilt_checks(row: Row, run: RunResult, case: str) -> None:
     posts = _post_events(run)
     bad = []
@@ -379,6 +394,7 @@ def q3_05(runs: dict[str, RunResult], settings: STSettings, reshard_after_forwar
         phases = sorted({e["phase"] for e in pres})
         row.evidence[f"{name}.phases"] = phases
         row.evidence[f"{name}.gathers"] = len(pres)
+        _wire_checks(row, run)
         _rebuilt_checks(row, run, "mxfp8")
     row.notes.append(
         "With reshard_after_forward=true a backward gather carries the dgrad orientation only (dense col, grouped "
@@ -433,6 +449,7 @@ def q3_06(runs: dict[str, RunResult], settings: STSettings, reshard_after_forwar
         row.check(f"{run.spec.name}: forward and backward use the same data and scale",
                   not differ and (same > 0 or flag is False), differ[:5] or f"{same} forward/backward pairs",
                   "identical bytes (reshard=false: one gather serves both)")
+        _wire_checks(row, run)
         _rebuilt_checks(row, run, "hif8_current")
     return row
 

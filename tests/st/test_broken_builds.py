@@ -1,0 +1,160 @@
+"""Deliberately broken builds make the matching Q3 row fail (issue 11 acceptance), through ``lp-lightning st``.
+
+Each broken build is a patch that a ``sitecustomize`` module applies at interpreter start in every
+process of the run (the ST parent, ``lp-lightning fit`` and the ranks its launcher starts), selected
+by ``LP_ST_BROKEN_BUILD``. The same rows on the unpatched build pass (``test_correct_build_passes``).
+The runs are one process and a few steps: the checks are the same as in the full acceptance.
+
+========================  =====================================================  =========
+broken build              what it does                                           row
+========================  =====================================================  =========
+``unreplaced_target``     the default plan leaves ``layers.0.self_attn.o_proj``  Q3-04
+                          out
+``hp_gather``             ``o_proj.weight`` is never finalized: FSDP2 gathers    Q3-05
+                          it in BF16 and the GEMM quantizes it after the gather
+``micro_step_refresh``    the weights are refreshed after every backward         Q3-07
+``resume_from_bf16``      after a checkpoint load the masters are rounded        Q3-09
+                          through BF16 before the 8-bit rebuild
+========================  =====================================================  =========
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TARGET = "model.layers.0.self_attn.o_proj"
+
+SITECUSTOMIZE = f'''
+import os
+
+_BROKEN = os.environ.get("LP_ST_BROKEN_BUILD")
+_TARGET = {TARGET!r}
+
+if _BROKEN == "unreplaced_target":
+    import dataclasses
+    import lp_lightning.models.deepseek_v3.adapter as adapter
+
+    _rules = adapter.deepseek_v3_default_rules
+
+    def deepseek_v3_default_rules(*args, **kwargs):
+        rules = list(_rules(*args, **kwargs))
+        rules[0] = dataclasses.replace(rules[0], match=tuple(m for m in rules[0].match if m != _TARGET))
+        return tuple(rules)
+
+    adapter.deepseek_v3_default_rules = deepseek_v3_default_rules
+
+elif _BROKEN == "hp_gather":
+    import lp_lightning.functional.linear as linear
+    import lp_lightning.integration.weights as weights
+    from lp_lightning import ops
+    from lp_lightning.formats.operand import QuantizationRole
+    from lp_lightning.formats.recipe import recipe_for
+
+    _declared, _select = weights.declared_low_precision_params, linear.select_weight
+
+    def declared_low_precision_params(module):
+        for fqn, sub, kind, params in _declared(module):
+            yield fqn, sub, kind, [(name, p) for name, p in params if not name.startswith(_TARGET + ".")]
+
+    def select_weight(weight, orientation, *, who, name="weight"):
+        if weight.__class__.__name__ in ("Parameter", "Tensor"):  # gathered in BF16, quantized after the gather
+            quantizer = recipe_for("mxfp8_e4m3").quantizer(QuantizationRole.WEIGHT_FWD)
+            return ops.quantize(quantizer, weight.detach(), orientation=orientation)
+        return _select(weight, orientation, who=who, name=name)
+
+    weights.declared_low_precision_params = declared_low_precision_params
+    linear.select_weight = select_weight
+
+elif _BROKEN == "micro_step_refresh":
+    from lp_lightning.lightning.precision import LowPrecisionPlugin
+
+    _post_backward = LowPrecisionPlugin.post_backward
+
+    def post_backward(self, tensor, module):
+        from lp_lightning.integration import refresh_low_precision_weights
+
+        refresh_low_precision_weights(module.parameters())
+        return _post_backward(self, tensor, module)
+
+    LowPrecisionPlugin.post_backward = post_backward
+
+elif _BROKEN == "resume_from_bf16":
+    import torch
+    from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
+
+    _rebuild = LowPrecisionFabricPlugin.rebuild_after_load
+
+    def rebuild_after_load(self, module):
+        with torch.no_grad():
+            for param in module.parameters():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                master = getattr(local, "master", None)
+                if master is not None:
+                    master.copy_(master.bfloat16().float())
+        return _rebuild(self, module)
+
+    LowPrecisionFabricPlugin.rebuild_after_load = rebuild_after_load
+'''
+
+SMALL = ["--devices", "1", "--warmup_steps", "1", "--steady_steps", "2", "--resume_steps", "1", "--variant_steps", "2",
+         "--profile_steps", "1", "--required_steps", "3", "--cases", "[mxfp8]", "--skip", "[illegal, numerics]"]
+
+
+def _st(tmp_path: Path, broken: str | None, rows: list[str]) -> dict:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    env.pop("LP_ST_BROKEN_BUILD", None)
+    if broken:
+        env["LP_ST_BROKEN_BUILD"] = broken
+    out = tmp_path / "st"
+    command = [sys.executable, "-m", "lp_lightning.cli", "st", "--out", str(out), "--rows", f"[{', '.join(rows)}]", *SMALL]
+    proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert (out / "report.json").is_file(), proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    report["_exit_code"] = proc.returncode
+    return report
+
+
+def _check(report: dict, row_id: str, name: str) -> dict:
+    row = next(r for r in report["rows"] if r["id"] == row_id)
+    matches = [c for c in row["checks"] if name in c["name"]]
+    assert matches, [c["name"] for c in row["checks"]]
+    return {"row": row, "checks": matches}
+
+
+EXPECTED = {  # broken build -> (row, the check that must fail)
+    "unreplaced_target": ("Q3-04", "every target of the model replaced"),
+    "hp_gather": ("Q3-05", "no high-precision gather of a replaced weight"),
+    "micro_step_refresh": ("Q3-07", "no refresh on a micro-step"),
+    "resume_from_bf16": ("Q3-09", "bit-identical"),
+}
+
+
+def test_correct_build_passes(tmp_path):
+    report = _st(tmp_path, None, sorted({row for row, _ in EXPECTED.values()}))
+    for row_id, check in EXPECTED.values():
+        found = _check(report, row_id, check)
+        assert all(c["ok"] for c in found["checks"]), found["checks"]
+        if "mxfp8" not in check:  # rows that also need the hif8 case fail here only for its absence
+            failing = [c for c in found["row"]["checks"] if not c["ok"]]
+            assert all("hif8" in c["name"] or "bf16" in c["name"] for c in failing), failing
+
+
+@pytest.mark.parametrize("broken", sorted(EXPECTED))
+def test_broken_build_fails_its_row(tmp_path, broken):
+    row_id, check = EXPECTED[broken]
+    report = _st(tmp_path, broken, [row_id])
+    found = _check(report, row_id, check)
+    assert found["row"]["verdict"] == "fail" and report["_exit_code"] == 1
+    assert any(not c["ok"] for c in found["checks"]), found["checks"]
