@@ -441,6 +441,8 @@ class WireRecorder:
 
     # -- observation -------------------------------------------------------------------------------
     def _on_weight_gather(self, gather: Any) -> None:
+        if gather.stage != "pre_all_gather":
+            return  # the wire carries what the pre hook packed; post events show the rebuilt storage
         outputs, local = gather.tensors, gather.local
         tensors = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in outputs)
         event = WeightGather(
