@@ -6,7 +6,9 @@ A fresh subprocess (so no other test's imports leak in) runs the bf16 path the w
    optimizer step through the plugin;
 2. ``lp-lightning fit --precision bf16 --trainer.max_steps 1`` in-process (``runpy``, one process,
    CPU): the LightningModule's ``configure_model``, the FSDP2 strategy (plugin ``convert_module``,
-   upcast, ``fully_shard``), forward + backward, the optimizer step, validation and a checkpoint.
+   upcast, ``fully_shard``), forward + backward, the optimizer step, validation and a checkpoint,
+   with every probe callback of ``lp_lightning.lightning.probe_callbacks`` (their files are checked:
+   present, nothing low-precision in them).
 
 Then ``sys.modules`` is compared with the FULL list of low-precision modules, computed by walking
 the source tree (files, not imports) of ``lp_lightning/{formats,ops,functional,modules,tensor,
@@ -101,6 +103,10 @@ _SCRIPT = textwrap.dedent(
         "--data.val_batches", "1", "--trainer.val_check_interval", "1", "--checkpoint.every_n_steps", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.logger", "false",
+        *[f"--trainer.callbacks+=lp_lightning.lightning.{name}" for name in
+          ("RefreshProbe", "GemmTraceProbe", "GatherTraceProbe", "ScaleStatsProbe", "StepRecordProbe")],
+        "--trainer.callbacks+=lp_lightning.lightning.ProfilerProbe", "--trainer.callbacks.start_step=1",
+        "--trainer.callbacks.steps=1",
     ]
     try:
         runpy.run_module("lp_lightning.cli", run_name="__main__", alter_sys=True)
@@ -130,7 +136,23 @@ def test_bf16_run_imports_no_low_precision_module(tmp_path):
 
     summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
     assert summary["precision"] == "bf16" and summary["backend"] == "none" and summary["steps"] == 1
-    assert summary["replacement"] is None
+    assert summary["replacement"] is None and summary["low_precision"] is None
+    assert summary["kernels"] is None and summary["refresh"] is None
+    assert set(summary["wire"]) == {"all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "steps",
+                                    "bytes_are"}
+    assert summary["peak_memory_bytes_per_rank"] == [summary["peak_memory_bytes"]]
+
+    def probe(kind: str) -> dict:
+        return json.loads((tmp_path / "run" / "probes" / f"{kind}_rank0.json").read_text())
+
+    assert probe("refresh")["per_step"] == [{"step": 1, "refreshes": 0, "weights": 0, "max_per_weight": 0,
+                                             "skipped": False}]
+    assert probe("gemm_trace")["counts"] == {} and probe("gather_trace")["events"] == []
+    assert probe("scales")["records"] == [] and probe("scales")["histograms"] == {}
+    assert probe("steps")["records"][0]["loss"] == summary["losses"][0]
+    profile = probe("profile")
+    assert profile["window"] == [1, 1] and profile["categories_s"]["high_precision_mm"] > 0
+    assert profile["categories_s"]["quantize"] == profile["categories_s"]["low_precision_mm"] == 0
 
     def imported(names: list[str], modules: list[str]) -> list[str]:
         loaded = set(modules)

@@ -57,6 +57,7 @@ from lp_lightning.functional.linear import (
     quantize_for_gemms,
     select_weight,
     unpack_operand,
+    weight_fqn_of,
 )
 from lp_lightning.ops import GemmRole, gemm_role, low_precision_grouped_matmul
 
@@ -116,8 +117,9 @@ def _grouped_linear_forward(
         ``need_dweight``).
     """
     requests = [(_ROLE.INPUT_FWD, "row")] + ([(_ROLE.INPUT_BWD, "col")] if need_dweight else [])
-    a_ops = quantize_for_gemms(recipe, a_TK, requests, group_list=group_list_E)
-    with gemm_role(GemmRole.GROUPED_FPROP):
+    fqn = weight_fqn_of(weight)
+    a_ops = quantize_for_gemms(recipe, a_TK, requests, group_list=group_list_E, weight_fqn=fqn)
+    with gemm_role(GemmRole.GROUPED_FPROP, weight_fqn=fqn):
         y_TN = low_precision_grouped_matmul(
             a_ops[0],
             select_weight(weight, "col", who=who, name=name),
@@ -167,10 +169,11 @@ def _grouped_linear_backward(
     requests = ([(_ROLE.GRAD_OUTPUT, "row")] if need_dinput else []) + (
         [(_ROLE.GRAD_OUTPUT, "col")] if need_dweight else []
     )
-    dy_ops = list(quantize_for_gemms(recipe, dy_TN, requests, group_list=group_list_E))
+    fqn = weight_fqn_of(weight)
+    dy_ops = list(quantize_for_gemms(recipe, dy_TN, requests, group_list=group_list_E, weight_fqn=fqn))
     d_input = d_weight = None
     if need_dinput:
-        with gemm_role(GemmRole.GROUPED_DGRAD):
+        with gemm_role(GemmRole.GROUPED_DGRAD, weight_fqn=fqn):
             d_input = low_precision_grouped_matmul(
                 dy_ops.pop(0),
                 select_weight(weight, "row", who=who, name=name),
@@ -180,7 +183,7 @@ def _grouped_linear_backward(
             )
     if need_dweight:
         assert input_col is not None, f"forward saves the INPUT_BWD operand of {name}'s input whenever it needs a gradient"
-        with gemm_role(GemmRole.GROUPED_WGRAD):
+        with gemm_role(GemmRole.GROUPED_WGRAD, weight_fqn=fqn):
             d_weight_EKN = low_precision_grouped_matmul(
                 input_col, dy_ops.pop(0), group_list_E, layout="TN", output_dtype=weight.dtype
             )

@@ -66,6 +66,7 @@ __all__ = [
     "low_precision_linear",
     "quantize_for_gemms",
     "select_weight",
+    "weight_fqn_of",
 ]
 
 _ROLE = QuantizationRole
@@ -125,6 +126,7 @@ def quantize_for_gemms(
     requests: Sequence[tuple[QuantizationRole, Orientation]],
     *,
     group_list: torch.Tensor | None = None,
+    weight_fqn: str | None = None,
 ) -> tuple[QuantizedOperand, ...]:
     """The one cast helper: quantize an activation or gradient for the GEMMs that read it.
 
@@ -140,6 +142,7 @@ def quantize_for_gemms(
         requests: ``(role, orientation)`` pairs, one per operand wanted.
         group_list: ``int64 [E]`` per-group row counts of a token-sorted tensor (grouped GEMMs);
             MXFP8 col blocks then stop at group boundaries. None for dense GEMMs.
+        weight_fqn: FQN of the weight whose GEMMs read the operands (quantize trace events only).
 
     Returns:
         One ``QuantizedOperand`` per request, in order.
@@ -151,9 +154,17 @@ def quantize_for_gemms(
         layout_key = orientation if quantizer.format.physical_orientation else "shared"
         key = (id(quantizer), layout_key)
         if key not in done:
-            done[key] = quantize(quantizer, tensor, orientation=orientation, group_list=group_list)
+            done[key] = quantize(
+                quantizer, tensor, orientation=orientation, group_list=group_list, role=role.value,
+                weight_fqn=weight_fqn,
+            )
         operands.append(done[key].with_orientation(orientation))
     return tuple(operands)
+
+
+def weight_fqn_of(weight: torch.Tensor) -> str | None:
+    """The FQN a low-precision weight carries (``.fqn``; ``""`` or none gives None), for trace events."""
+    return getattr(weight, "fqn", None) or None
 
 
 def activation_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -237,9 +248,10 @@ class _LowPrecisionLinearFunction(torch.autograd.Function):
         with autocast_disabled(x):
             x_MK = x.reshape(-1, x.shape[-1])
             requests = [(_ROLE.INPUT_FWD, "row")] + ([(_ROLE.INPUT_BWD, "col")] if save_for_wgrad else [])
-            x_ops = quantize_for_gemms(recipe, x_MK, requests)
+            fqn = weight_fqn_of(weight)
+            x_ops = quantize_for_gemms(recipe, x_MK, requests, weight_fqn=fqn)
             gemm_dtype = torch.float32 if bias is not None else output_dtype
-            with gemm_role(GemmRole.DENSE_FPROP):
+            with gemm_role(GemmRole.DENSE_FPROP, weight_fqn=fqn):
                 y_MN = low_precision_matmul(
                     x_ops[0], select_weight(weight, "row", who=who), layout="NT", output_dtype=gemm_dtype
                 )
@@ -274,9 +286,10 @@ class _LowPrecisionLinearFunction(torch.autograd.Function):
             requests = ([(_ROLE.GRAD_OUTPUT, "row")] if need_dx else []) + (
                 [(_ROLE.GRAD_OUTPUT, "col")] if need_dw else []
             )
-            dy_ops = list(quantize_for_gemms(ctx.recipe, dy_MN, requests))
+            fqn = weight_fqn_of(weight)
+            dy_ops = list(quantize_for_gemms(ctx.recipe, dy_MN, requests, weight_fqn=fqn))
             if need_dx:
-                with gemm_role(GemmRole.DENSE_DGRAD):
+                with gemm_role(GemmRole.DENSE_DGRAD, weight_fqn=fqn):
                     dx_MK = low_precision_matmul(
                         dy_ops.pop(0), select_weight(weight, "col", who=who), layout="NN", output_dtype=ctx.x_dtype
                     )
@@ -284,7 +297,7 @@ class _LowPrecisionLinearFunction(torch.autograd.Function):
             if need_dw:
                 assert ctx.x_meta is not None, "forward saves the INPUT_BWD operand whenever dw is needed"
                 x_col = unpack_operand(iter(rest), ctx.x_meta)
-                with gemm_role(GemmRole.DENSE_WGRAD):
+                with gemm_role(GemmRole.DENSE_WGRAD, weight_fqn=fqn):
                     dw = low_precision_matmul(dy_ops.pop(0), x_col, layout="TN", output_dtype=weight.dtype)
             if need_db and ctx.has_bias:
                 db = dy_MN.to(torch.float32).sum(0).to(ctx.bias_dtype)

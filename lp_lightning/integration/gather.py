@@ -41,8 +41,12 @@ padded shard shape ``[S0, *rest]``, so the scale bytes travel packed in ``ceil(s
 shard_bytes)`` slots of that shape instead (one extra data-sized message per uneven weight).
 
 Gather events: every pre-all-gather calls the observers of :func:`add_gather_observer` with a
-:class:`GatherEvent` (FQN, phase, orientations, the physical tensors, whether the shard group has
-one rank); probes count wire bytes through it.
+:class:`GatherEvent` of stage ``"pre_all_gather"`` (FQN, phase, orientations, the ``uint8`` slots,
+whether the shard group has one rank); probes count wire bytes through it. Every post-all-gather
+(the first call and each ``out=`` refill) sends one of stage ``"post_all_gather"`` with the rebuilt
+storage tensors (views of the gathered buffers, named ``row_data`` / ``col_scale`` / ``data`` /
+``scale`` ...) and the logical shape and dtype of the gathered weight, built only while an
+observer is registered.
 
 Tensor-name legend: ``D0`` the sharded (first) dim of the parameter, ``W`` the FSDP shard-group
 size, ``S0`` rows per rank of the padded shard, ``L`` this rank's rows.
@@ -74,6 +78,7 @@ __all__ = [
     "GatherMetadata",
     "GatherPhase",
     "GatherPolicy",
+    "GatherStage",
     "add_gather_observer",
     "current_gather_phase",
     "gather_layout",
@@ -461,16 +466,26 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 # Gather events (public observers; probes count wire bytes with them).
 
 
+GatherStage = Literal["pre_all_gather", "post_all_gather"]
+"""Which FSDP2 hook a :class:`GatherEvent` comes from."""
+
+
 @dataclass(frozen=True)
 class GatherEvent:
-    """One low-precision weight's all-gather inputs on this rank (what ``pre_all_gather`` returned).
+    """One low-precision weight's all-gather on this rank: its inputs (pre) or its rebuilt storage (post).
 
     Attributes:
         fqn: Parameter FQN.
         phase: ``"forward"`` or ``"backward"``.
         orientations: Orientations carried.
-        tensors: The physical tensors handed to FSDP2 (read them, never write).
+        tensors: Pre: the ``uint8`` slots handed to FSDP2; post: the full-weight storage tensors
+            (views of the gathered buffers). Read them, never write.
         local: The shard group has one rank: FSDP2 copies instead of issuing a collective.
+        stage: ``"pre_all_gather"`` or ``"post_all_gather"``.
+        names: One name per tensor: the slot names of the :class:`GatherLayout` (pre), or the
+            storage names (post: ``"row_data"``, ``"col_scale"``, ``"data"``, ``"scale"`` ...).
+        logical_shape: Shape of the whole logical weight.
+        logical_dtype: Post: the gathered weight's logical dtype (FSDP2's ``param_dtype``); pre: None.
     """
 
     fqn: str
@@ -478,13 +493,18 @@ class GatherEvent:
     orientations: tuple[Orientation, ...]
     tensors: tuple[torch.Tensor, ...]
     local: bool
+    stage: GatherStage = "pre_all_gather"
+    names: tuple[str, ...] = ()
+    logical_shape: tuple[int, ...] | None = None
+    logical_dtype: torch.dtype | None = None
 
 
 _GATHER_OBSERVERS: Observers[GatherEvent] = Observers("add_gather_observer")
 
 
 def add_gather_observer(observer: Callable[[GatherEvent], None]) -> ObserverHandle:
-    """Call ``observer(event)`` at every low-precision pre-all-gather; returns a handle with ``remove()``."""
+    """Call ``observer(event)`` at every low-precision pre- and post-all-gather (``event.stage``);
+    returns a handle with ``remove()``."""
     return _GATHER_OBSERVERS.add(observer)
 
 
@@ -561,7 +581,13 @@ class GatherExtension:
         phase = current_gather_phase()
         orientations = layout.orientations_for(phase)
         slots = layout.pack(weight._state.storage, orientations, local_rows, fqn=weight.fqn)
-        _GATHER_OBSERVERS.notify(GatherEvent(fqn=weight.fqn, phase=phase, orientations=orientations, tensors=slots, local=world_size == 1))
+        if _GATHER_OBSERVERS:
+            _GATHER_OBSERVERS.notify(
+                GatherEvent(
+                    fqn=weight.fqn, phase=phase, orientations=orientations, tensors=slots, local=world_size == 1,
+                    names=tuple(name for name, _ in layout.slots), logical_shape=layout.outer_shape,
+                )
+            )
         return slots, GatherMetadata(fqn=weight.fqn, phase=phase, orientations=orientations, layout=layout)
 
     def post_all_gather(
@@ -611,12 +637,20 @@ class GatherExtension:
                 )
             scratch = out._state.scale_scratch
         storage, scratch = layout.unpack(tuple(all_gather_outputs), metadata.orientations, scratch, fqn=weight.fqn)
-        if out is not None:
-            if tuple(out.shape) != layout.outer_shape or out.dtype != param_dtype:
-                raise ValueError(
-                    f"fsdp_post_all_gather({weight.fqn!r}): out is {tuple(out.shape)} {out.dtype}, expected "
-                    f"{layout.outer_shape} {param_dtype}."
+        if out is not None and (tuple(out.shape) != layout.outer_shape or out.dtype != param_dtype):
+            raise ValueError(
+                f"fsdp_post_all_gather({weight.fqn!r}): out is {tuple(out.shape)} {out.dtype}, expected "
+                f"{layout.outer_shape} {param_dtype}."
+            )
+        if _GATHER_OBSERVERS:
+            _GATHER_OBSERVERS.notify(
+                GatherEvent(
+                    fqn=weight.fqn, phase=metadata.phase, orientations=metadata.orientations,
+                    tensors=tuple(storage.values()), local=layout.world_size == 1, stage="post_all_gather",
+                    names=tuple(storage), logical_shape=layout.outer_shape, logical_dtype=param_dtype,
                 )
+            )
+        if out is not None:
             out._state.storage = storage
             out._state.orientations = metadata.orientations
             out._state.scale_scratch = scratch

@@ -1,6 +1,7 @@
 """Lightning integration: FSDP2 strategy (Trainer + Fabric), precision plugins (bf16 / mxfp8 / hif8),
 the ``npu`` accelerator, the DeepSeek-V3 LightningModule, the pretraining datamodule, the job's
-callbacks and read-only probes.
+callbacks and read-only probes (the probe callbacks of :mod:`~lp_lightning.lightning.probe_callbacks`
+import nothing low-precision until a low-precision run starts).
 
 Importing this package registers the ``"npu"`` accelerator with Lightning when torch_npu is
 importable (:func:`~lp_lightning.lightning.accelerator.register_npu_accelerator`)."""
@@ -15,6 +16,15 @@ from lp_lightning.lightning.precision import (
     LowPrecisionPlugin,
     PrecisionMode,
 )
+from lp_lightning.lightning.probe_callbacks import (
+    GatherTraceProbe,
+    GemmTraceProbe,
+    ProbeCallback,
+    ProfilerProbe,
+    RefreshProbe,
+    ScaleStatsProbe,
+    StepRecordProbe,
+)
 from lp_lightning.lightning.probes import HighPrecisionGemmProbe
 from lp_lightning.lightning.strategy import FSDP2FabricStrategy, FSDP2Strategy
 
@@ -23,6 +33,8 @@ __all__ = [
     "DeepSeekV3LM",
     "FSDP2FabricStrategy",
     "FSDP2Strategy",
+    "GatherTraceProbe",
+    "GemmTraceProbe",
     "HighPrecisionGemmProbe",
     "LowPrecisionFabricPlugin",
     "LowPrecisionPlugin",
@@ -31,7 +43,12 @@ __all__ = [
     "PeriodicCheckpoint",
     "PrecisionMode",
     "PretrainDataModule",
+    "ProbeCallback",
+    "ProfilerProbe",
+    "RefreshProbe",
     "RunSummaryCallback",
+    "ScaleStatsProbe",
+    "StepRecordProbe",
     "checkpoint_dirname",
     "register_npu_accelerator",
     "warmup_cosine_factor",

@@ -40,7 +40,9 @@ key                          meaning
                              training started and ended (other jobs on the cores slow every step)
 ``peak_memory_bytes``        max over ranks: CPU -> the process's peak RSS
                              (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, includes Python and
-                             libraries); CUDA/NPU -> ``max_memory_allocated`` of the device
+                             libraries, so it says nothing about 8-bit savings); CUDA/NPU ->
+                             ``max_memory_allocated`` of the device
+``peak_memory_bytes_per_rank`` the same value of every rank, in rank order
 ``peak_memory_source``       ``"ru_maxrss"`` or ``"max_memory_allocated"``
 ``checkpoints``              checkpoint folders written by this call, in order
 ``versions``                 ``lp_lightning``, ``git_commit`` (``-dirty`` with local changes),
@@ -51,7 +53,8 @@ key                          meaning
 ``losses`` / ``grad_norms``  per-step training loss / pre-clip gradient norm of this call
 ``step_times_s``             per-step wall times (seconds)
 ``low_precision``            the policy: ``{"enabled", "format", "scaling", "recipe_name"}``;
-                             ``null`` in ``bf16``
+                             ``null`` in ``bf16`` (as are ``replacement``, ``kernels`` and
+                             ``refresh``: no low-precision weight, GEMM or refresh exists there)
 ``replacement``              the replacement plan's report (``ReplacementReport.as_dict()``:
                              ``counts`` per rule, ``replaced`` FQNs, ``skipped`` with reasons);
                              ``null`` in ``bf16`` (no plan runs)
@@ -64,13 +67,15 @@ key                          meaning
                              ... ``"grouped.wgrad"``), ``backends`` / ``formats`` (event counts),
                              ``high_precision_gemms_in_replaced_modules`` (must be 0) and
                              ``high_precision_gemms_elsewhere`` — ``null`` unless a
-                             :class:`~lp_lightning.lightning.probes.HighPrecisionGemmProbe` ran
+                             :class:`~lp_lightning.lightning.probes.HighPrecisionGemmProbe` ran;
+                             ``null`` in ``bf16``
 ``refresh``                  ``per_step`` (weight storage builds during each optimizer step of
                              this call; a skipped step has 0), ``per_weight_per_step``
                              (``{"min", "max"}`` builds of one weight in one step: 1 and 1),
                              ``weights`` (low-precision weights), ``skipped_steps`` (steps of this
                              call skipped for a non-finite gradient norm), ``startup`` /
-                             ``resume`` (full rebuilds after ``fully_shard`` / a checkpoint load)
+                             ``resume`` (full rebuilds after ``fully_shard`` / a checkpoint load);
+                             ``null`` in ``bf16``
 ``wire``                     ``all_gather_bytes`` / ``reduce_scatter_bytes`` /
                              ``all_reduce_bytes`` (dtype name -> bytes of this rank's collective
                              inputs per optimizer step), ``high_precision_gathers_of_replaced``
@@ -79,7 +84,8 @@ key                          meaning
                              ``gathers_per_step`` (forward /
                              backward weight gathers); the individual events of the first step
                              are in ``wire_trace_rank<r>.json`` next to the summary
-                             (:mod:`lp_lightning.lightning.probes`)
+                             (:mod:`lp_lightning.lightning.probes`). In ``bf16`` only the byte maps,
+                             ``steps`` and ``bytes_are`` (no low-precision weight is gathered)
 ============================ =====================================================================
 """
 
@@ -293,7 +299,7 @@ class RunSummaryCallback(Callback):
         self._grad_norms: list[float | None] = []
         self._step_times: list[float] = []
         self._local_tokens = 0
-        self._peak: tuple[int, str] = (0, "ru_maxrss")
+        self._peak: tuple[list[int], str] = ([], "ru_maxrss")
         self._load_start: list[float] | None = None
 
     @override
@@ -369,13 +375,22 @@ class RunSummaryCallback(Callback):
         dist.all_reduce(tensor, op=op)
         return int(tensor.item())
 
+    def _gather(self, trainer: pl.Trainer, value: int) -> list[int]:
+        """``value`` of every rank, in rank order."""
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return [value]
+        tensor = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, tensor)
+        return [int(t.item()) for t in gathered]
+
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Collectives run here on every rank; the file is written in on_fit_end, after the
         # checkpoint callbacks' on_train_end saved the last checkpoint.
         self._stop_recorders()
         peak, source = _peak_memory_bytes(trainer.strategy.root_device)
-        self._peak = (self._reduce(trainer, peak, dist.ReduceOp.MAX), source)
+        self._peak = (self._gather(trainer, peak), source)
         self._local_tokens = self._reduce(trainer, self._local_tokens, dist.ReduceOp.SUM)
 
     def _precision_and_backend(self, trainer: pl.Trainer) -> tuple[str, str]:
@@ -421,7 +436,8 @@ class RunSummaryCallback(Callback):
             "warmup_steps_excluded": warmup,
             "threads": _threads(),
             "load_average": {"start": self._load_start, "end": _load_average()},
-            "peak_memory_bytes": self._peak[0],
+            "peak_memory_bytes": max(self._peak[0], default=0),
+            "peak_memory_bytes_per_rank": list(self._peak[0]),
             "peak_memory_source": self._peak[1],
             "checkpoints": checkpoints,
             "versions": software_versions(),
@@ -433,9 +449,27 @@ class RunSummaryCallback(Callback):
             **self._low_precision_sections(trainer),
         }
 
+    @staticmethod
+    def _sharding(trainer: pl.Trainer) -> dict[str, Any] | None:
+        record = getattr(trainer.strategy, "parallelization", None)
+        if record is None:
+            return None
+        sharding = dataclasses.asdict(record)
+        sharding["replicated_low_precision"] = [
+            {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
+        ]
+        return sharding
+
     def _low_precision_sections(self, trainer: pl.Trainer) -> dict[str, Any]:
         plugin = trainer.precision_plugin
         policy = getattr(plugin, "policy", None)
+        if policy is None or not policy.enabled:  # bf16: no low-precision weight, GEMM, refresh or gather
+            wire = self._wire.summary() if self._wire is not None else None
+            if wire is not None:
+                wire = {k: wire[k] for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
+                                             "steps", "bytes_are")}
+            return {"low_precision": None, "replacement": None, "sharding": self._sharding(trainer),
+                    "kernels": None, "refresh": None, "wire": wire}
         report = getattr(plugin, "replacement_report", None)
         from lp_lightning.lightning.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe
 
@@ -462,17 +496,10 @@ class RunSummaryCallback(Callback):
             "startup": refreshes.get("startup", 0),
             "resume": refreshes.get("resume", 0),
         }
-        record = getattr(trainer.strategy, "parallelization", None)
-        sharding = None
-        if record is not None:
-            sharding = dataclasses.asdict(record)
-            sharding["replicated_low_precision"] = [
-                {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
-            ]
         return {
-            "low_precision": policy.as_dict() if policy is not None and policy.enabled else None,
+            "low_precision": policy.as_dict(),
             "replacement": report.as_dict() if report is not None else None,
-            "sharding": sharding,
+            "sharding": self._sharding(trainer),
             "kernels": kernels,
             "refresh": refresh,
             "wire": self._wire.summary() if self._wire is not None else None,

@@ -87,6 +87,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
 __all__ = [
+    "ATEN_GEMM_OPS",
     "GEMM_ROLE_KEYS",
     "GemmRoleCounter",
     "HighPrecisionGemmProbe",
@@ -164,10 +165,15 @@ class GemmRoleCounter:
 # High-precision GEMMs
 
 
+ATEN_GEMM_OPS: tuple[str, ...] = (
+    "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "_grouped_mm", "_scaled_mm",
+    "_scaled_grouped_mm", "_int_mm",
+)
+"""The aten GEMM ops (overload packet names) the high-precision probes look for."""
+
+
 def _gemm_packets() -> frozenset[Any]:
-    names = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "_grouped_mm", "_scaled_mm",
-             "_scaled_grouped_mm", "_int_mm")
-    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+    return frozenset(getattr(torch.ops.aten, n) for n in ATEN_GEMM_OPS if hasattr(torch.ops.aten, n))
 
 
 class _HighPrecisionGemmMode(TorchDispatchMode):
@@ -441,6 +447,8 @@ class WireRecorder:
 
     # -- observation -------------------------------------------------------------------------------
     def _on_weight_gather(self, gather: Any) -> None:
+        if gather.stage != "pre_all_gather":
+            return  # the wire carries what the pre hook packed; post events show the rebuilt storage
         outputs, local = gather.tensors, gather.local
         tensors = tuple((_dtype_name(t.dtype), tuple(t.shape)) for t in outputs)
         event = WeightGather(

@@ -5,7 +5,8 @@
 - :mod:`lp_lightning.ops.backend` — the ``Backend`` protocol, the backend registry and the choice
   (``auto``, ``emulated``, ``npu``);
 - :mod:`lp_lightning.ops.emulated`, :mod:`lp_lightning.ops.npu` — one file per backend;
-- :mod:`lp_lightning.ops.trace` — GEMM roles and the public GEMM observers.
+- :mod:`lp_lightning.ops.trace` — GEMM roles, the public GEMM and quantize observers, the
+  profiler labels.
 
 Importing this package never imports ``torch_npu``; only using the ``npu`` backend does.
 """
@@ -31,10 +32,14 @@ from lp_lightning.ops.backend import (
 from lp_lightning.ops.trace import (
     GemmRole,
     GemmTraceEvent,
+    QuantizeTraceEvent,
     add_gemm_observer,
+    add_quantize_observer,
     current_gemm_role,
+    current_weight_fqn,
     gemm_role,
     record_gemms,
+    record_quantizes,
 )
 
 __all__ = [
@@ -44,9 +49,12 @@ __all__ = [
     "GemmTraceEvent",
     "Layout",
     "LowPrecisionUnsupportedError",
+    "QuantizeTraceEvent",
     "add_gemm_observer",
+    "add_quantize_observer",
     "backend_names",
     "current_gemm_role",
+    "current_weight_fqn",
     "gemm_role",
     "get_backend",
     "low_precision_grouped_matmul",
@@ -54,6 +62,7 @@ __all__ = [
     "quantize",
     "quantize_dual",
     "record_gemms",
+    "record_quantizes",
     "register_backend",
     "resolve_backend",
     "set_backend",

@@ -76,6 +76,8 @@ def quantize(
     group_list: torch.Tensor | None = None,
     amax: torch.Tensor | None = None,
     backend: BackendName | None = None,
+    role: str | None = None,
+    weight_fqn: str | None = None,
 ) -> QuantizedOperand:
     """``quantizer``'s operand of ``tensor``, computed by the backend in force for its device.
 
@@ -86,6 +88,8 @@ def quantize(
         group_list: Optional ``int64 [G]`` row counts of a token-sorted 2-D tensor.
         amax: Optional precomputed amax (current-scaling formats only).
         backend: Optional per-call backend.
+        role: ``QuantizationRole`` value of the operand, for the quantize trace event only.
+        weight_fqn: FQN of the weight whose GEMMs read the operand, for the trace event only.
 
     Returns:
         The operand; the portable codec is the reference every backend must match bit for bit
@@ -96,9 +100,16 @@ def quantize(
         LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
     """
     name = resolve_backend(quantizer.format, tensor.device, backend)
-    return get_backend_impl(name).quantize(
-        quantizer, tensor, orientation=orientation, group_list=group_list, amax=amax
-    )
+    with trace.profiled(trace.QUANTIZE_LABEL):
+        operand = get_backend_impl(name).quantize(
+            quantizer, tensor, orientation=orientation, group_list=group_list, amax=amax
+        )
+    if trace.quantize_observed():
+        trace.emit_quantize(
+            op="quantize", backend=name, role=role, input=tensor, operands=(operand,), amax=amax,
+            grouped=group_list is not None or tensor.dim() == 3, weight_fqn=weight_fqn,
+        )
+    return operand
 
 
 def quantize_dual(
@@ -107,6 +118,8 @@ def quantize_dual(
     *,
     amax: torch.Tensor | None = None,
     backend: BackendName | None = None,
+    role: str | None = None,
+    weight_fqn: str | None = None,
 ) -> tuple[QuantizedOperand, QuantizedOperand]:
     """``(row, col)`` operands of ``tensor`` in one call (a persistent weight's storage, design spec §7.2).
 
@@ -115,13 +128,22 @@ def quantize_dual(
         tensor: ≥ 2-D high-precision tensor (``w_NK``, or ``w_EKN`` of a grouped weight).
         amax: Optional precomputed amax (current-scaling formats only).
         backend: Optional per-call backend.
+        role: Role label of the trace event (a weight refresh passes ``"weight"``).
+        weight_fqn: FQN of the weight, for the trace event only.
 
     Raises:
         TypeError, ValueError: as the quantizer.
         LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
     """
     name = resolve_backend(quantizer.format, tensor.device, backend)
-    return get_backend_impl(name).quantize_dual(quantizer, tensor, amax=amax)
+    with trace.profiled(trace.QUANTIZE_LABEL):
+        operands = get_backend_impl(name).quantize_dual(quantizer, tensor, amax=amax)
+    if trace.quantize_observed():
+        trace.emit_quantize(
+            op="quantize_dual", backend=name, role=role, input=tensor, operands=tuple(operands), amax=amax,
+            grouped=tensor.dim() == 3, weight_fqn=weight_fqn,
+        )
+    return operands
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,11 +261,12 @@ def low_precision_matmul(
         )
     role = _check_role(who, grouped=False, layout=layout)
     name = resolve_backend(fmt, left.device, backend)
-    out = get_backend_impl(name).matmul(left, right, layout, output_dtype)
+    with trace.profiled(trace.MATMUL_LABEL):
+        out = get_backend_impl(name).matmul(left, right, layout, output_dtype)
     _check_result(who, name, out, (m, n), output_dtype)
     trace.emit(
         op=who, backend=name, format=fmt.name, layout=layout, left_shape=left.shape, right_shape=right.shape,
-        output=out, num_groups=None, gemm_role=role,
+        output=out, num_groups=None, gemm_role=role, weight_fqn=trace.current_weight_fqn(),
     )
     return out
 
@@ -337,10 +360,11 @@ def low_precision_grouped_matmul(
         out_shape = (tokens, n)
     role = _check_role(who, grouped=True, layout=layout)
     name = resolve_backend(fmt, left.device, backend)
-    out = get_backend_impl(name).grouped_matmul(left, right, group_list, layout, output_dtype)
+    with trace.profiled(trace.GROUPED_MATMUL_LABEL):
+        out = get_backend_impl(name).grouped_matmul(left, right, group_list, layout, output_dtype)
     _check_result(who, name, out, out_shape, output_dtype)
     trace.emit(
         op=who, backend=name, format=fmt.name, layout=layout, left_shape=left.shape, right_shape=right.shape,
-        output=out, num_groups=num_groups, gemm_role=role,
+        output=out, num_groups=num_groups, gemm_role=role, weight_fqn=trace.current_weight_fqn(),
     )
     return out

@@ -1,10 +1,11 @@
-"""GEMM trace events and read-only observers (requirement R12 (docs/design.md) kernel-trace probes; design spec §16.6).
+"""GEMM and quantize trace events, read-only observers, profiler labels (R12 (docs/design.md); design spec §16.6).
 
 Every call of ``low_precision_matmul`` / ``low_precision_grouped_matmul`` emits one
 ``GemmTraceEvent`` after it computes its result: which backend ran it (``"emulated"`` is always
 labelled as such — emulation is never passed off as a hardware kernel), the format, the layout,
-the shapes and the output dtype, plus the *GEMM role* (dense|grouped × fprop|dgrad|wgrad) that the
-autograd layer declares with ``gemm_role(...)`` around its calls.
+the shapes and the output dtype, plus the *GEMM role* (dense|grouped × fprop|dgrad|wgrad) and the
+FQN of the low-precision weight whose fprop, dgrad or wgrad it is, which the autograd layer
+declares with ``gemm_role(role, weight_fqn=...)`` around its calls.
 
 Observers receive the frozen event and nothing else (no tensors), so they cannot change a
 result::
@@ -14,7 +15,17 @@ result::
         y = low_precision_matmul(x_op, w_op, layout="NT", output_dtype=torch.bfloat16)
     assert events[0].backend == "emulated"
 
-An exception raised by an observer propagates to the GEMM's caller (a broken probe must be seen).
+Every ``quantize`` / ``quantize_dual`` emits one ``QuantizeTraceEvent`` after the backend returns
+— only while a quantize observer is registered (:func:`add_quantize_observer`); otherwise no
+event is built. It carries the high-precision input and the operands (read them, never write):
+the scale probes read amax and scales from it on the steps they sample.
+
+Profiler labels: while ``torch.profiler`` is recording, quantisation runs inside the range
+``"lp_lightning::quantize"`` (:data:`QUANTIZE_LABEL`) and the GEMMs inside
+``"lp_lightning::matmul"`` / ``"lp_lightning::grouped_matmul"``; with the profiler off no range is
+opened (:func:`profiled`).
+
+An exception raised by an observer propagates to the caller (a broken probe must be seen).
 """
 
 from __future__ import annotations
@@ -23,22 +34,51 @@ import contextlib
 import contextvars
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Literal
 
 import torch
 
 from lp_lightning.observers import ObserverHandle, Observers
 
+if TYPE_CHECKING:
+    from lp_lightning.formats.operand import QuantizedOperand
+
 __all__ = [
+    "GROUPED_MATMUL_LABEL",
+    "MATMUL_LABEL",
+    "QUANTIZE_LABEL",
     "GemmRole",
     "GemmTraceEvent",
     "ObserverHandle",
+    "QuantizeTraceEvent",
     "add_gemm_observer",
+    "add_quantize_observer",
     "current_gemm_role",
+    "current_weight_fqn",
     "emit",
+    "emit_quantize",
     "gemm_role",
+    "profiled",
+    "quantize_observed",
     "record_gemms",
+    "record_quantizes",
 ]
+
+QUANTIZE_LABEL = "lp_lightning::quantize"
+"""``torch.profiler`` range of every ``quantize`` / ``quantize_dual`` call."""
+MATMUL_LABEL = "lp_lightning::matmul"
+"""``torch.profiler`` range of every ``low_precision_matmul`` backend call."""
+GROUPED_MATMUL_LABEL = "lp_lightning::grouped_matmul"
+"""``torch.profiler`` range of every ``low_precision_grouped_matmul`` backend call."""
+
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled(label: str) -> ContextManager[object]:
+    """``torch.profiler.record_function(label)`` while the profiler records, else a no-op context."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(label)
+    return _NO_RANGE
 
 
 class GemmRole(str, Enum):
@@ -88,6 +128,8 @@ class GemmTraceEvent:
         num_groups: Number of groups for a grouped GEMM, else None.
         device: Device type of the operands, e.g. ``"cpu"``, ``"npu"``.
         gemm_role: The role declared with ``gemm_role(...)`` around the call, or None.
+        weight_fqn: FQN of the low-precision weight whose fprop, dgrad or wgrad this is (declared
+            with ``gemm_role(..., weight_fqn=...)``), or None.
     """
 
     op: str
@@ -101,16 +143,57 @@ class GemmTraceEvent:
     num_groups: int | None
     device: str
     gemm_role: GemmRole | None
+    weight_fqn: str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class QuantizeTraceEvent:
+    """One ``quantize`` / ``quantize_dual`` call, as seen by quantize observers.
+
+    Attributes:
+        op: ``"quantize"`` or ``"quantize_dual"``.
+        backend: The backend that quantized (``"emulated"`` or ``"npu"``).
+        format: Registry name of the format, e.g. ``"mxfp8_e4m3"``, ``"hif8"``.
+        role: ``QuantizationRole`` value the caller passed (``"input_fwd"``, ``"grad_output"``,
+            ...; ``"weight"`` for a weight refresh), or None.
+        orientations: Orientations of ``operands``, in order.
+        input: The high-precision tensor that was quantized (read only).
+        operands: The ``QuantizedOperand`` results (read only; HiF8 dual: both share one data).
+        amax: The precomputed amax the caller passed (e.g. the cross-rank MAX of a HiF8 dense
+            weight), else None.
+        format_max: The operands' ``format_max`` (HiF8: 15.0 / 224.0), else None.
+        grouped: A ``group_list`` was given or the input is 3-D (stacked expert weights).
+        weight_fqn: FQN of the weight being refreshed, or of the weight whose GEMMs read the
+            operand (activations and gradients), else None.
+        gemm_role: The GEMM role declared around the call, or None.
+        device: Device type of the input.
+    """
+
+    op: str
+    backend: str
+    format: str
+    role: str | None
+    orientations: tuple[str, ...]
+    input: torch.Tensor
+    operands: tuple[QuantizedOperand, ...]
+    amax: torch.Tensor | None
+    format_max: float | None
+    grouped: bool
+    weight_fqn: str | None
+    gemm_role: GemmRole | None
+    device: str
 
 
 Observer = Callable[[GemmTraceEvent], None]
 
 _role_var: contextvars.ContextVar[GemmRole | None] = contextvars.ContextVar("lp_lightning_gemm_role", default=None)
+_fqn_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("lp_lightning_weight_fqn", default=None)
 _OBSERVERS: Observers[GemmTraceEvent] = Observers("add_gemm_observer")
+_QUANTIZE_OBSERVERS: Observers[QuantizeTraceEvent] = Observers("add_quantize_observer")
 
 
 @contextlib.contextmanager
-def gemm_role(role: GemmRole | str) -> Iterator[GemmRole]:
+def gemm_role(role: GemmRole | str, *, weight_fqn: str | None = None) -> Iterator[GemmRole]:
     """Declare the role of the GEMMs issued inside the block (context-local, nests).
 
     The GEMM entry points check that the role agrees with the call (dense vs grouped, and the
@@ -118,6 +201,7 @@ def gemm_role(role: GemmRole | str) -> Iterator[GemmRole]:
 
     Args:
         role: A ``GemmRole`` or its string value.
+        weight_fqn: FQN of the low-precision weight whose GEMM this is (``""`` counts as None).
 
     Yields:
         The parsed ``GemmRole``.
@@ -131,15 +215,22 @@ def gemm_role(role: GemmRole | str) -> Iterator[GemmRole]:
         legal = ", ".join(repr(r.value) for r in GemmRole)
         raise ValueError(f"gemm_role: role={role!r} is not a GEMM role; legal values: {legal}.") from None
     token = _role_var.set(parsed)
+    fqn_token = _fqn_var.set(weight_fqn or None)
     try:
         yield parsed
     finally:
+        _fqn_var.reset(fqn_token)
         _role_var.reset(token)
 
 
 def current_gemm_role() -> GemmRole | None:
     """The role declared by the innermost enclosing ``gemm_role(...)``, or None."""
     return _role_var.get()
+
+
+def current_weight_fqn() -> str | None:
+    """The weight FQN declared by the innermost enclosing ``gemm_role(...)``, or None."""
+    return _fqn_var.get()
 
 
 def add_gemm_observer(observer: Observer) -> ObserverHandle:
@@ -165,6 +256,66 @@ def record_gemms() -> Iterator[list[GemmTraceEvent]]:
         yield events
 
 
+def add_quantize_observer(observer: Callable[[QuantizeTraceEvent], None]) -> ObserverHandle:
+    """Register a callable that receives every ``QuantizeTraceEvent`` (process-wide, all threads).
+
+    While at least one is registered, ``quantize`` / ``quantize_dual`` build an event per call;
+    the observer may read its tensors (``input``, ``operands``, ``amax``) but must not write them.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the observer (also a context manager).
+
+    Raises:
+        TypeError: if ``observer`` is not callable.
+    """
+    return _QUANTIZE_OBSERVERS.add(observer)
+
+
+@contextlib.contextmanager
+def record_quantizes() -> Iterator[list[QuantizeTraceEvent]]:
+    """Collect the events of the quantisations issued while the block runs (any thread) into a list."""
+    events: list[QuantizeTraceEvent] = []
+    with add_quantize_observer(events.append):
+        yield events
+
+
+def quantize_observed() -> bool:
+    """Whether a quantize observer is registered (the quantize entry points build no event otherwise)."""
+    return bool(_QUANTIZE_OBSERVERS)
+
+
+def emit_quantize(
+    *,
+    op: str,
+    backend: str,
+    role: str | None,
+    input: torch.Tensor,
+    operands: tuple[QuantizedOperand, ...],
+    amax: torch.Tensor | None,
+    grouped: bool,
+    weight_fqn: str | None,
+) -> QuantizeTraceEvent:
+    """Build the event for one finished quantisation and deliver it to every quantize observer (internal use)."""
+    first = operands[0]
+    event = QuantizeTraceEvent(
+        op=op,
+        backend=backend,
+        format=first.format.name,
+        role=role,
+        orientations=tuple(o.orientation for o in operands),
+        input=input,
+        operands=operands,
+        amax=amax,
+        format_max=first.format_max,
+        grouped=grouped,
+        weight_fqn=weight_fqn or None,
+        gemm_role=_role_var.get(),
+        device=input.device.type,
+    )
+    _QUANTIZE_OBSERVERS.notify(event)
+    return event
+
+
 def emit(
     *,
     op: str,
@@ -176,6 +327,7 @@ def emit(
     output: torch.Tensor,
     num_groups: int | None,
     gemm_role: GemmRole | None,
+    weight_fqn: str | None = None,
 ) -> GemmTraceEvent:
     """Build the event for one finished GEMM and deliver it to every observer (internal use)."""
     event = GemmTraceEvent(
@@ -190,6 +342,7 @@ def emit(
         num_groups=num_groups,
         device=output.device.type,
         gemm_role=gemm_role,
+        weight_fqn=weight_fqn,
     )
     _OBSERVERS.notify(event)
     return event

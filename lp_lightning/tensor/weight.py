@@ -260,7 +260,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
                 f"refresh_from_master({self.fqn!r}): amax is only used by per-tensor scales; this "
                 f"{self.format.name} {self.kind.value} weight has {self.amax_scope.value} scales."
             )
-        self._state.storage = _quantize_storage(self.master, self.recipe, self.kind, amax)
+        self._state.storage = _quantize_storage(self.master, self.recipe, self.kind, amax, fqn=self.fqn)
         self._state.refresh_count += 1
         note_refresh(self)
 
@@ -357,9 +357,13 @@ def _check_master(master: torch.Tensor, kind: WeightKind, fqn: str) -> None:
 
 
 def _quantize_storage(
-    master: torch.Tensor, recipe: LowPrecisionRecipe, kind: WeightKind, amax: torch.Tensor | None
+    master: torch.Tensor, recipe: LowPrecisionRecipe, kind: WeightKind, amax: torch.Tensor | None, *, fqn: str = ""
 ) -> dict[str, torch.Tensor]:
-    """Quantise ``master`` (``[L, K]`` or ``[L, N, K]``, ``L`` possibly 0) into the declared storage."""
+    """Quantise ``master`` (``[L, K]`` or ``[L, N, K]``, ``L`` possibly 0) into the declared storage.
+
+    The quantize trace event (``lp_lightning.ops.add_quantize_observer``) has role ``"weight"`` and
+    ``weight_fqn=fqn``; an empty shard is quantized by the portable codec and emits none.
+    """
     spec = recipe.format
     declared = storage_spec(spec, kind, tuple(master.shape))
     view = master if kind is WeightKind.DENSE else master.transpose(-1, -2)
@@ -369,7 +373,7 @@ def _quantize_storage(
     if master.numel() == 0:  # an empty FSDP2 shard: the portable codec keeps the declared schema
         row, col = quantizer.quantize_dual(view, amax=amax)
     else:
-        row, col = quantize_dual(quantizer, view, amax=amax)
+        row, col = quantize_dual(quantizer, view, amax=amax, role="weight", weight_fqn=fqn)
     storage: dict[str, torch.Tensor] = {}
     for operand in (row, col) if spec.physical_orientation else (row,):
         data_name, scale_name = storage_names(spec, operand.orientation)

@@ -8,9 +8,9 @@ from lp_lightning.formats import QuantizedOperand, hif8, recipe_for
 from lp_lightning.tensor import QuantizedWeightTensor
 
 
-def lp_weight(master: torch.Tensor, fmt: str, kind: str = "dense") -> QuantizedWeightTensor:
+def lp_weight(master: torch.Tensor, fmt: str, kind: str = "dense", fqn: str = "") -> QuantizedWeightTensor:
     """The persistent low-precision weight of ``master`` (a requires-grad leaf; the master is shared)."""
-    return QuantizedWeightTensor.from_master(master, recipe=recipe_for(fmt), kind=kind, requires_grad=True)
+    return QuantizedWeightTensor.from_master(master, recipe=recipe_for(fmt), kind=kind, fqn=fqn, requires_grad=True)
 
 
 def reference_gemm(left: QuantizedOperand, right: QuantizedOperand, layout: str, output_dtype: torch.dtype) -> torch.Tensor:

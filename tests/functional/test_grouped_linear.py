@@ -146,7 +146,8 @@ def test_trace_shows_the_six_grouped_gemms_in_order(fmt):
     with record_gemms() as events:
         _run(
             torch.randn(32, H, dtype=torch.bfloat16), group_list,
-            lp_weight(gate_up_master, fmt, "grouped"), lp_weight(down_master, fmt, "grouped"),
+            lp_weight(gate_up_master, fmt, "grouped", fqn="experts.gate_up_proj"),
+            lp_weight(down_master, fmt, "grouped", fqn="experts.down_proj"),
             torch.randn(32, H, dtype=torch.bfloat16), fmt,
         )
     got = [(e.gemm_role, e.layout, e.left_shape, e.right_shape, e.output_shape, e.backend) for e in events]
@@ -160,6 +161,8 @@ def test_trace_shows_the_six_grouped_gemms_in_order(fmt):
         (wg, "TN", (32, H), (32, 2 * FF), (3, H, 2 * FF), "emulated"),  # gate_up wgrad
     ]
     assert all(e.num_groups == 3 and e.format == fmt for e in events)
+    gu, dn = "experts.gate_up_proj", "experts.down_proj"
+    assert [e.weight_fqn for e in events] == [gu, dn, dn, dn, gu, gu]  # wgrad names its weight too
 
 
 def _fp64_grouped(left, right, counts, layout):
@@ -189,9 +192,9 @@ def test_per_gemm_sqnr_against_fp64_of_each_gemms_inputs_meets_floors(fmt, monke
     quantized, outputs = [], []
     real_quantize, real_gemm = grouped_linear.quantize_for_gemms, grouped_linear.low_precision_grouped_matmul
 
-    def quantize_spy(recipe, tensor, requests, *, group_list=None):
+    def quantize_spy(recipe, tensor, requests, **kwargs):
         quantized.append(tensor.detach().clone())
-        return real_quantize(recipe, tensor, requests, group_list=group_list)
+        return real_quantize(recipe, tensor, requests, **kwargs)
 
     def gemm_spy(left, right, group_list, *, layout, output_dtype):
         out = real_gemm(left, right, group_list, layout=layout, output_dtype=output_dtype)

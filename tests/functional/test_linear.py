@@ -39,7 +39,7 @@ from lp_lightning.evidence.numerics import sqnr_db
 from lp_lightning.formats import QuantizationRole, recipe_for
 from lp_lightning.formats.recipe import sqnr_reference_input
 from lp_lightning.functional import is_low_precision_weight, low_precision_linear
-from lp_lightning.ops import GemmRole, record_gemms
+from lp_lightning.ops import GemmRole, record_gemms, record_quantizes
 from lp_reference import lp_weight, reference_gemm
 
 R = QuantizationRole
@@ -114,8 +114,8 @@ def test_shapes_dtypes_and_exact_match_with_format_layer_reference(fmt, x_shape,
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_trace_shows_three_dense_roles_with_contract_layouts(fmt):
     x = torch.randn(64, 96, dtype=torch.bfloat16)
-    weight = lp_weight(torch.randn(32, 96), fmt)
-    with record_gemms() as events:
+    weight = lp_weight(torch.randn(32, 96), fmt, fqn="mlp.up_proj.weight")
+    with record_gemms() as events, record_quantizes() as quantizes:
         y, _ = _run(x, weight, None, torch.randn(64, 32, dtype=torch.bfloat16), fmt)
     roles = [(e.gemm_role, e.layout, e.backend, e.format) for e in events]
     assert roles == [
@@ -123,6 +123,12 @@ def test_trace_shows_three_dense_roles_with_contract_layouts(fmt):
         (GemmRole.DENSE_DGRAD, "NN", "emulated", fmt),
         (GemmRole.DENSE_WGRAD, "TN", "emulated", fmt),
     ]
+    assert {e.weight_fqn for e in events} == {"mlp.up_proj.weight"}  # wgrad names its weight too
+    # One quantisation per physical layout: MXFP8 x row + col and dy row + col; HiF8 one code tensor each.
+    expected = ["input_fwd", "input_bwd", "grad_output", "grad_output"] if fmt == "mxfp8_e4m3" else [
+        "input_fwd", "grad_output"]
+    assert [q.role for q in quantizes] == expected
+    assert {q.weight_fqn for q in quantizes} == {"mlp.up_proj.weight"} and {q.op for q in quantizes} == {"quantize"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -31,6 +31,7 @@ from lp_lightning.formats.spec import shard_rows
 from lp_lightning.integration import (
     GatherMetadata,
     GatherPolicy,
+    add_gather_observer,
     current_gather_phase,
     finalize_low_precision_weights,
     gather_layout,
@@ -214,6 +215,49 @@ def test_post_refills_out_in_place_with_the_other_phase():
     assert param.select("col").data.data_ptr() == gathered[0].data_ptr()
     with pytest.raises(ValueError, match="carries only"):
         param.select("row")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "hif8"])
+def test_gather_events_pre_with_slots_and_post_with_the_rebuilt_storage(fmt):
+    full = torch.randn(128, 64)
+    with _Recorder() as events:
+        *_, gathered, out, _ = _simulate(full, fmt, "dense", 2, phase="backward")
+    pre, post = [e for e in events if e.stage == "pre_all_gather"], [e for e in events if e.stage == "post_all_gather"]
+    assert len(pre) == 2 and len(post) == 1  # one pre per rank, the post of rank 0
+    layout = gather_layout(fmt, "dense", (128, 64), 2)
+    assert all(e.names == tuple(n for n, _ in layout.slots) and e.logical_dtype is None for e in pre)
+    assert all(e.tensors[0].dtype == torch.uint8 and not e.local for e in pre)
+    (event,) = post
+    assert event.fqn == "w" and event.phase == "backward" and event.logical_shape == (128, 64)
+    assert event.logical_dtype == torch.float32 and event.orientations == out.orientations
+    expected = ("col_data", "col_scale") if fmt == "mxfp8_e4m3" else ("data", "scale")
+    assert event.names == expected
+    storage = dict(zip(event.names, event.tensors))
+    operand = out.select(out.orientations[0])
+    assert storage[expected[0]].data_ptr() == operand.data.data_ptr() == gathered[0].data_ptr()  # views, no copy
+    assert torch.equal(_bits(storage[expected[1]]), _bits(operand.scale))
+
+
+def test_post_refill_with_out_sends_a_post_event_too():
+    full = torch.randn(128, 64)
+    _, shards, pres, gathered, out, _ = _simulate(full, "mxfp8_e4m3", "dense", 2, phase="forward")
+    param = nn.Parameter(torch.as_strided(out, out.shape, out.stride(), 0))
+    with _Recorder() as events:
+        assert shards[0].fsdp_post_all_gather(gathered, pres[0][1], torch.float32, out=param) is None
+    (event,) = events
+    assert event.stage == "post_all_gather" and event.names == ("row_data", "row_scale")
+
+
+class _Recorder:
+    """``with _Recorder() as events``: the gather events while the block runs."""
+
+    def __enter__(self) -> list:
+        self.events: list = []
+        self._handle = add_gather_observer(self.events.append)
+        return self.events
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
 
 
 def test_post_rejects_outputs_that_disagree_with_the_schema():

@@ -154,9 +154,8 @@ def test_bf16_run_imports_no_low_precision_module(runs):
     summary = runs("bf16")
     assert summary["precision"] == "bf16" and summary["backend"] == "none"
     assert summary["replacement"] is None and summary["low_precision"] is None
-    assert summary["refresh"]["per_step"] == [0] * STEPS and summary["refresh"]["weights"] == 0
-    assert all(summary["kernels"][role] == 0 for role in GEMM_ROLE_KEYS)
-    assert summary["wire"]["low_precision_weights_gathered"] == 0
+    assert summary["refresh"] is None and summary["kernels"] is None  # no low-precision weight or GEMM exists
+    assert "low_precision_weights_gathered" not in summary["wire"] and summary["wire"]["steps"] == STEPS
     assert json.loads((Path(summary["root"]) / "probe" / "imported_rank0.json").read_text()) == []
 
 
@@ -237,7 +236,7 @@ def test_cross_format_resume_mxfp8_to_hif8_to_bf16(runs):
     assert hif8["losses"][0] == pytest.approx(mxfp8["losses"][3], rel=0.02)
     bf16 = runs("bf16_from_hif8")
     assert bf16["precision"] == "bf16" and bf16["first_step"] == 4 and bf16["global_step"] == 5
-    assert bf16["refresh"]["resume"] == 0 and bf16["replacement"] is None
+    assert bf16["refresh"] is None and bf16["replacement"] is None  # nothing low-precision is rebuilt
     assert torch.isfinite(torch.tensor(bf16["losses"])).all()
 
 

@@ -1,5 +1,5 @@
-"""The GEMM interface: the orientation contract, errors, backend selection and trace events
-(design spec §8, §13.4, §16.2; requirement R6 (docs/design.md), R12)."""
+"""The GEMM interface: the orientation contract, errors, backend selection, GEMM and quantize trace
+events and profiler ranges (design spec §8, §13.4, §16.2; requirement R6 (docs/design.md), R12)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,17 @@ from lp_lightning.ops import (
     GemmRole,
     LowPrecisionUnsupportedError,
     add_gemm_observer,
+    add_quantize_observer,
+    current_gemm_role,
+    current_weight_fqn,
     gemm_role,
     get_backend,
     low_precision_grouped_matmul,
     low_precision_matmul,
+    quantize,
+    quantize_dual,
     record_gemms,
+    record_quantizes,
     resolve_backend,
     set_backend,
     use_backend,
@@ -186,6 +192,77 @@ def test_observers_are_read_only_removable_and_loud():
     assert out.shape == (M, N)
     with pytest.raises(TypeError, match="callable"):
         add_gemm_observer("not a function")  # type: ignore[arg-type]
+
+
+def test_gemm_role_declares_the_weight_fqn_of_every_gemm():
+    left, right, layout, _ = _dense_case("hif8", "wgrad")
+    with record_gemms() as events:
+        with gemm_role("dense_wgrad", weight_fqn="model.layers.0.mlp.down_proj.weight"):
+            assert current_weight_fqn() == "model.layers.0.mlp.down_proj.weight"
+            low_precision_matmul(left, right, layout=layout, output_dtype=torch.float32)
+            with gemm_role("dense_wgrad", weight_fqn=""):  # nests; "" means unknown
+                low_precision_matmul(left, right, layout=layout, output_dtype=torch.float32)
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.float32)
+    assert [e.weight_fqn for e in events] == ["model.layers.0.mlp.down_proj.weight", None, None]
+    assert current_weight_fqn() is None and current_gemm_role() is None
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "hif8"])
+def test_quantize_events_carry_role_fqn_tensors_and_amax(fmt):
+    quantizer = MX if fmt == "mxfp8" else HI
+    x, w = torch.randn(M, K), torch.randn(E, K, N)
+    with record_quantizes() as events, gemm_role("grouped_fprop"):
+        op = quantize(quantizer, x, orientation="row", group_list=GROUPS, role="input_fwd", weight_fqn="experts.w")
+        amax = None if fmt == "mxfp8" else w.abs().amax(dim=(1, 2))
+        row, col = quantize_dual(quantizer, w, amax=amax, role="weight", weight_fqn="experts.w")
+    first, dual = events
+    assert (first.op, first.backend, first.role, first.orientations, first.grouped) == (
+        "quantize", "emulated", "input_fwd", ("row",), True)
+    assert first.input is x and len(first.operands) == 1 and first.operands[0] is op and first.amax is None
+    assert first.weight_fqn == "experts.w" and first.gemm_role is GemmRole.GROUPED_FPROP and first.device == "cpu"
+    assert dual.op == "quantize_dual" and [o is r for o, r in zip(dual.operands, (row, col))] == [True, True]
+    assert dual.orientations == ("row", "col")
+    assert dual.input is w and dual.amax is amax and dual.grouped and dual.role == "weight"
+    assert first.format == dual.format == ("mxfp8_e4m3" if fmt == "mxfp8" else "hif8")
+    assert first.format_max == (None if fmt == "mxfp8" else 15.0)
+    with pytest.raises(AttributeError):
+        first.role = "grad_output"  # frozen event
+
+
+def test_no_quantize_event_is_built_without_an_observer(monkeypatch):
+    from lp_lightning.ops import trace
+
+    def fail(**kwargs):
+        raise AssertionError("a quantize event was built with no observer registered")
+
+    monkeypatch.setattr(trace, "emit_quantize", fail)
+    quantize(HI, torch.randn(M, K), orientation="row")
+    quantize_dual(MX, torch.randn(N, K))
+    with add_quantize_observer(lambda event: None), pytest.raises(AssertionError, match="no observer"):
+        quantize(HI, torch.randn(M, K), orientation="row")
+
+
+def test_profiler_ranges_only_while_the_profiler_records(monkeypatch):
+    from torch.profiler import ProfilerActivity, profile
+
+    left, right, layout, _ = _dense_case("mxfp8", "fprop")
+    gl, gr, glayout, _ = _grouped_case("mxfp8", "fprop")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        quantize(MX, torch.randn(M, K), orientation="row")
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+        low_precision_grouped_matmul(gl, gr, GROUPS, layout=glayout, output_dtype=torch.bfloat16)
+    names = [e.name for e in prof.events()]
+    assert names.count("lp_lightning::quantize") == 1
+    assert names.count("lp_lightning::matmul") == names.count("lp_lightning::grouped_matmul") == 1
+    (mm_range,) = [e for e in prof.events() if e.name == "lp_lightning::matmul"]
+    assert any(child.name == "aten::matmul" or child.name == "aten::mm" for child in mm_range.cpu_children)
+
+    def fail(name):
+        raise AssertionError(f"record_function({name!r}) opened with the profiler off")
+
+    monkeypatch.setattr(torch.profiler, "record_function", fail)
+    quantize(MX, torch.randn(M, K), orientation="row")
+    low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------
