@@ -144,7 +144,8 @@ class RunSpec:
 
 
 def _probe(name: str, **init_args: Any) -> dict[str, Any]:
-    return {"class_path": f"{PROBES}.{name}", "init_args": init_args}
+    """A probe callback entry; its ``out_dir`` (the run's ``probes/`` folder) is filled in by the runner."""
+    return {"class_path": f"{PROBES}.{name}", "init_args": {"out_dir": None, **init_args}}
 
 
 def _every_event_probes(case: STCase) -> list[dict[str, Any]]:
@@ -167,7 +168,8 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
         cases: The precisions to run (default: all three).
     """
     runs: list[RunSpec] = []
-    digest = {"class_path": "lp_lightning.st.digest.StateDigestProbe", "init_args": {"steps": [settings.save_step]}}
+    digest = {"class_path": "lp_lightning.st.digest.StateDigestProbe",
+              "init_args": {"out_dir": None, "steps": [settings.save_step]}}
     for case in cases:
         # The performance evidence: step records and cheap counters only, events kept for the first step.
         main_probes = [_probe("StepRecordProbe"), _probe("RefreshProbe")]

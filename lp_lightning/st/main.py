@@ -66,7 +66,11 @@ def _user_settings(config: str | None) -> tuple[bool, dict[str, list[str]], dict
     """The user YAML's reshard_after_forward and the model's targets, after the CLI's checks (exit 2 if bad)."""
     from lp_lightning.cli import parse_config
 
-    parsed = parse_config(["--config", config] if config else [])
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
+    try:
+        parsed = parse_config(["--config", config] if config else [])
+    finally:
+        sys.argv = argv
     targets = model_targets(parsed.model.config_name_or_path, parsed.model.config_overrides)
     return bool(parsed.fsdp_config.reshard_after_forward), targets, {"config": config or "embedded default (dsv3-tiny)"}
 
@@ -202,7 +206,7 @@ def st_main(argv: Sequence[str] | None = None) -> int:
                          targets=targets, only=args.rows)
     meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
                 user_reshard_after_forward=reshard_after_forward, skipped_parts=list(args.skip),
-                cases=[c.name for c in cases], rows=list(args.rows))
+                cases=[c.name for c in cases], selected_rows=list(args.rows))
     report = write_report(out, rows=rows, runs=runs, settings=settings, numerics=numerics,
                           numerics_rows=numerics_rows, meta=meta)
     width = max(len(r.title) for r in rows)

@@ -421,7 +421,7 @@ def q3_06(runs: dict[str, RunResult], settings: STSettings, reshard_after_forwar
         # Grouped: the gathered [E] scales are the ranks' [E_local] scales of the previous step's refresh, in rank order.
         refreshed: dict[tuple[int, str], dict[int, list[float]]] = defaultdict(dict)
         for rank in run.probe("scales"):
-            for event in rank.get("events", []):
+            for event in rank.get("records", []):
                 if event.get("weight_fqn") and isinstance(event.get("scale"), list):
                     refreshed[(event["step"], event["weight_fqn"])][rank["_rank"]] = event["scale"]
         compared, wrong = 0, []

@@ -83,10 +83,12 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def run_config(spec: RunSpec, folder: Path, settings: STSettings) -> dict[str, Any]:
     """The ``run.yaml`` of one run: what it sets on top of the user's YAML."""
     probes = folder / "probes"
-    callbacks = [
-        {"class_path": c["class_path"], "init_args": {**c.get("init_args", {}), "out_dir": str(probes)}}
-        for c in spec.callbacks
-    ]
+    callbacks = []
+    for callback in spec.callbacks:
+        init_args = dict(callback.get("init_args", {}))
+        if "out_dir" in init_args and init_args["out_dir"] is None:
+            init_args["out_dir"] = str(probes)
+        callbacks.append({"class_path": callback["class_path"], "init_args": init_args})
     config = {
         "precision": spec.case.precision,
         "low_precision": None,  # the user's long form would contradict the other cases' --precision
@@ -97,6 +99,7 @@ def run_config(spec: RunSpec, folder: Path, settings: STSettings) -> dict[str, A
             "enable_progress_bar": False,
             "callbacks": callbacks,
         },
+        "checkpoint": {"dirpath": None},  # each run its own <default_root_dir>/checkpoints
     }
     return _merge(config, _nested(spec.overrides))
 
