@@ -7,7 +7,7 @@ with the same YAML (same seed, data order and effective batch), the Q3-01…Q3-1
 writes the report (:mod:`lp_lightning.st.report`)::
 
     lp-lightning st --config configs/dsv3_tiny.yaml --out runs/st           # 2 CPU processes, emulated
-    lp-lightning st --config configs/dsv3_16b_bf16.yaml --devices 8 --out runs/st16b   # 8 NPUs (README)
+    lp-lightning st --config configs/dsv3_16b_bf16.yaml --out runs/st16b   # 8 NPUs: the YAML's devices (README)
 
 Exit status: 0 when no row fails (``pass`` or ``not-applicable``), 1 when a row fails, 2 for a
 bad option or config.
@@ -40,8 +40,9 @@ def build_parser() -> ArgumentParser:
                         help="The lp-lightning fit YAML every run starts from (default: the embedded dsv3-tiny).")
     parser.add_argument("--out", type=str, default="runs/st", help="Output folder of the runs and the report.")
     defaults = STSettings()
+    parser.add_argument("--devices", type=int | None, default=None,
+                        help="Processes (FSDP2 ranks) of every run (default: the YAML's trainer.devices, at least 2).")
     for name, help_text in (
-        ("devices", "Processes (FSDP2 ranks) of every run."),
         ("warmup_steps", "Steps left out of the performance figures."),
         ("steady_steps", "Steps measured after warm-up (design spec §17.4: at least 20)."),
         ("resume_steps", "Steps after the checkpoint in Q3-09 (the checkpoint is at warmup+steady-resume)."),
@@ -62,8 +63,8 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _user_settings(config: str | None) -> tuple[bool, dict[str, list[str]], dict[str, Any]]:
-    """The user YAML's reshard_after_forward and the model's targets, after the CLI's checks (exit 2 if bad)."""
+def _user_settings(config: str | None) -> tuple[bool, int, dict[str, list[str]], dict[str, Any]]:
+    """The user YAML's reshard_after_forward, device count and model targets, after the CLI's checks (exit 2 if bad)."""
     from lp_lightning.cli import parse_config
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
@@ -72,7 +73,10 @@ def _user_settings(config: str | None) -> tuple[bool, dict[str, list[str]], dict
     finally:
         sys.argv = argv
     targets = model_targets(parsed.model.config_name_or_path, parsed.model.config_overrides)
-    return bool(parsed.fsdp_config.reshard_after_forward), targets, {"config": config or "embedded default (dsv3-tiny)"}
+    devices = parsed.trainer.devices
+    devices = max(int(devices), 2) if str(devices).isdigit() else 2  # the matrix needs a sharded FSDP2 group
+    meta = {"config": config or "embedded default (dsv3-tiny)"}
+    return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, meta
 
 
 def model_targets(config_name_or_path: str, overrides: dict[str, Any] | None) -> dict[str, list[str]]:
@@ -147,8 +151,10 @@ def st_main(argv: Sequence[str] | None = None) -> int:
     """Runs the acceptance and writes the report; returns the exit status (see the module docstring)."""
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    reshard_after_forward, devices, targets, meta = _user_settings(args.config)
     try:
-        settings = STSettings(**{k: args[k] for k in STSettings.__dataclass_fields__})
+        values = {k: args[k] for k in STSettings.__dataclass_fields__ if k != "devices"}
+        settings = STSettings(devices=args.devices or devices, **values)
         cases = tuple(case_by_name(name) for name in args.cases)
         unknown = sorted(set(args.skip) - set(PARTS))
         if unknown:
@@ -158,7 +164,6 @@ def st_main(argv: Sequence[str] | None = None) -> int:
             needed |= {f"{kind}/bf16" for kind in ("reshard", "recompute")}
     except ValueError as err:
         parser.error(str(err))
-    reshard_after_forward, targets, meta = _user_settings(args.config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = Path(args.config).resolve() if args.config else None
