@@ -188,7 +188,8 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
                 overrides={"checkpoint.every_n_steps": 0, "checkpoint.save_last": False},
                 callbacks=(
                     _probe("StepRecordProbe"), _probe("RefreshProbe"), digest,
-                    _probe("ProfilerProbe", start_step=settings.steps - settings.profile_steps, steps=settings.profile_steps),
+                    _probe("ProfilerProbe", start_step=settings.resume_steps - settings.profile_steps + 1,
+                           steps=settings.profile_steps),  # counted within the resumed fit call
                 ),
                 resume_from=f"main/{case.name}",
             )

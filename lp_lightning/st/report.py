@@ -25,6 +25,7 @@ from lp_lightning.st.runner import RunResult
 __all__ = ["performance_section", "short_run_checks", "write_per_step_csv", "write_report"]
 
 _COLORS = {"bf16": "tab:blue", "mxfp8": "tab:orange", "hif8_current": "tab:green"}
+_STYLES = {"bf16": "-", "mxfp8": "--", "hif8_current": ":"}  # the curves lie on top of each other
 SMOOTHING_STEPS = 5
 """Window of the moving mean drawn over the raw loss curves."""
 LOSS_MEAN_STEPS = 10
@@ -142,6 +143,10 @@ def performance_section(runs: dict[str, RunResult], settings: STSettings) -> dic
                 "peak_memory_bytes": _peak_memory(variant) if variant is not None else None,
                 "gathers_per_step": ((variant.summary or {}).get("wire") or {}).get("gathers_per_step") if variant else None,
             }
+        base_steady = (out.get("bf16") or {}).get("steady")
+        if entry["steady"] and base_steady and case != "bf16":
+            entry["steady"]["throughput_ratio"] = entry["steady"]["tokens_per_s"] / base_steady["tokens_per_s"]
+            entry["steady"]["step_time_ratio"] = entry["steady"]["step_time_s_mean"] / base_steady["step_time_s_mean"]
         gathered = _gathered_bytes(main)
         entry["all_gather_bytes_per_step"] = gathered
         entry["all_gather_bytes_vs_bf16"] = (gathered / bf16_bytes) if gathered and bf16_bytes else None
@@ -191,14 +196,16 @@ def _plot_curves(runs: dict[str, RunResult], path: Path) -> None:
         color = _COLORS[case]
         ax_loss.plot(steps, losses, color=color, alpha=0.3, linewidth=1)
         smooth = _moving_mean(losses, SMOOTHING_STEPS)
-        ax_loss.plot(steps, smooth, color=color, linewidth=2, label=f"{case} (mean of {SMOOTHING_STEPS})")
+        ax_loss.plot(steps, smooth, color=color, linewidth=2, linestyle=_STYLES[case],
+                     label=f"{case} (mean of {SMOOTHING_STEPS})")
         if case == "bf16":
             band = max(unit_roundoff("mxfp8"), unit_roundoff("hif8_current"))
             ax_loss.fill_between(steps, [v * (1 - band) for v in smooth], [v * (1 + band) for v in smooth],
                                  color=color, alpha=0.12, label=f"bf16 ± {band:.3g} (band)")
         clean = [n if n is not None else math.nan for n in norms]
         ax_norm.plot(steps, clean, color=color, alpha=0.3, linewidth=1)
-        ax_norm.plot(steps, _moving_mean(clean, SMOOTHING_STEPS), color=color, linewidth=2, label=case)
+        ax_norm.plot(steps, _moving_mean(clean, SMOOTHING_STEPS), color=color, linewidth=2, linestyle=_STYLES[case],
+                     label=case)
     ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="Loss (raw and smoothed)")
     ax_norm.set(xlabel="optimizer step", ylabel="gradient norm (pre-clip)", title="Grad norm (raw and smoothed)")
     for ax in (ax_loss, ax_norm):
@@ -262,6 +269,47 @@ def _plot_performance(perf: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _num(value: Any, scale: float = 1.0, digits: int = 3) -> str:
+    return "—" if value is None else f"{value / scale:.{digits}g}"
+
+
+def _performance_markdown(perf: dict[str, Any]) -> list[str]:
+    cases = [c.name for c in CASES if isinstance(perf.get(c.name), dict)]
+    lines = ["| | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
+
+    def line(label: str, values: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+
+    steady = [perf[c].get("steady") or {} for c in cases]
+    line("steady tokens/s", [_num(s.get("tokens_per_s"), digits=4) for s in steady])
+    line("steady step time, mean / median (s)",
+         [f"{_num(s.get('step_time_s_mean'))} / {_num(s.get('step_time_s_median'))}" for s in steady])
+    line("throughput_ratio / step_time_ratio vs bf16",
+         [f"{_num(s.get('throughput_ratio'))} / {_num(s.get('step_time_ratio'))}" if "step_time_ratio" in s else "—"
+          for s in steady])
+    memory = [perf[c].get("peak_memory_bytes") or {} for c in cases]
+    line("peak memory per rank (MiB)", [", ".join(_num(m, 2**20, 4) for m in mem.get("per_rank") or []) or "—"
+                                        for mem in memory])
+    line("peak memory, max / all ranks (MiB)",
+         [f"{_num(mem.get('max'), 2**20, 4)} / {_num(mem.get('global'), 2**20, 4)}" for mem in memory])
+    shares = [(perf[c].get("time_shares") or {}).get("shares") or {} for c in cases]
+    for category in sorted({k for sh in shares for k in sh}):
+        line(f"time share: {category}", [f"{100 * sh[category]:.1f} %" if category in sh else "—" for sh in shares])
+    line("all-gather bytes per step (vs bf16)",
+         [f"{_num(perf[c].get('all_gather_bytes_per_step'), digits=4)} ({_num(perf[c].get('all_gather_bytes_vs_bf16'))})"
+          for c in cases])
+    for kind in ("reshard", "recompute"):
+        deltas = [perf[c].get(f"{kind}_delta") or {} for c in cases]
+        line(f"{kind} run: step time ratio to main", [_num(d.get("ratio")) for d in deltas])
+        line(f"{kind} run: all-gather bytes per step", [_num(d.get("all_gather_bytes_per_step"), digits=4) for d in deltas])
+    threads = (steady[0].get("threads") or {}) if steady else {}
+    load = (steady[0].get("load_average") or {}) if steady else {}
+    lines += ["", f"Threads (rank 0 of main/{cases[0] if cases else '?'}): `{json.dumps(threads)}`; load average at "
+              f"start / end: `{load.get('start')}` / `{load.get('end')}`.", ""]
+    lines += [f"- {note}" for note in perf.get("notes", [])] + [""]
+    return lines
 
 
 def _fmt(value: Any) -> str:
@@ -329,6 +377,6 @@ def write_report(
     for r in rows:
         md += _row_markdown(r)
     md += (["![resume](resume.png)", ""] if "resume" in plots else []) + ["## Performance and memory (§17.4)", "", "![performance](performance_memory.png)", ""]
-    md += ["```json", json.dumps(_json_safe(perf), indent=1, default=str), "```", ""]
+    md += _performance_markdown(perf)
     (out / "report.md").write_text("\n".join(md) + "\n")
     return report

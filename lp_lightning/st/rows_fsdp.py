@@ -198,10 +198,14 @@ def q3_08(runs: dict[str, RunResult], settings: STSettings) -> Row:
         _training_checks(row, run, f"recompute/{case}", settings.variant_steps)
         _refresh_checks(row, run, micro_batches=1)
         if main is not None and main.ok:
-            lp = (run.summary.get("sharding") or {}).get("low_precision_weights")
-            lp_main = (main.summary.get("sharding") or {}).get("low_precision_weights")
-            row.check(f"recompute/{case}: no extra persistent weights", lp == lp_main,
-                      f"{len(lp or [])} low-precision weights", f"{len(lp_main or [])} as in main/{case}")
+            def persistent(summary: dict[str, Any]) -> tuple[Any, ...]:
+                sharding, report = summary.get("sharding") or {}, summary.get("replacement") or {}
+                return (sharding.get("low_precision_weights"), report.get("num_replaced"),
+                        len(sharding.get("replicated_low_precision") or []))
+
+            row.check(f"recompute/{case}: no extra persistent weights", persistent(run.summary) == persistent(main.summary),
+                      "(low-precision weights, replaced modules, replicated) = " + str(persistent(run.summary)),
+                      f"{persistent(main.summary)} as in main/{case}")
         steps = max(len(run.summary.get("losses", [])), 1)
         row.evidence[f"{case}.gemms_per_step"] = {r: n / steps for (r, f, b), n in _gemm_counts(run).items()}
         row.evidence[f"{case}.gathers_per_step"] = ((run.summary.get("wire") or {}).get("gathers_per_step"))
