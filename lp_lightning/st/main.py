@@ -124,19 +124,21 @@ def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
         n1.check(
             f"{entry['operator']} {entry['format']} {entry['tensor']} ({entry['role']})",
             bool(entry["pass"]),
-            f"SQNR {entry['sqnr_db']} dB, nonfinite {entry['nonfinite']}",
+            f"SQNR {float(entry['sqnr_db']):.2f} dB, nonfinite {entry['nonfinite']}",
             f">= {entry['sqnr_floor_db']} dB (unit-test floor), nonfinite 0",
         )
     n2 = Row("N-2")
     for precision, comparison in (one_layer.get("comparisons") or {}).items():
         bands = comparison.get("bands", {})
         n2.check(f"{precision}: one-step loss within the band of bf16", bool(comparison.get("loss_pass")),
-                 f"rel {comparison.get('loss_rel_diff')}", f"<= {bands.get('loss_rel_band')}")
+                 f"rel {float(comparison.get('loss_rel_diff', 'nan')):.2e}", f"<= {float(bands.get('loss_rel_band', 'nan')):.3g}")
         n2.check(f"{precision}: grad norm within the band of bf16", bool(comparison.get("grad_norm_pass")),
-                 f"rel {comparison.get('grad_norm_rel_diff')}", f"<= {bands.get('grad_norm_rel_band')}")
+                 f"rel {float(comparison.get('grad_norm_rel_diff', 'nan')):.2e}",
+                 f"<= {float(bands.get('grad_norm_rel_band', 'nan')):.3g}")
         n2.check(f"{precision}: key gradients against bf16", bool(comparison.get("gradients_pass")),
                  {fqn: g.get("sqnr_db") for fqn, g in (comparison.get("gradients") or {}).items() if g.get("checked")},
-                 f"SQNR >= {bands.get('gradient_sqnr_floor_db')} dB, cosine >= {bands.get('gradient_cosine_floor')}")
+                 f"SQNR >= {float(bands.get('gradient_sqnr_floor_db', 'nan')):.2f} dB, "
+                 f"cosine >= {float(bands.get('gradient_cosine_floor', 'nan')):.3f}")
     if not n2.checks:
         n2.check("one-layer comparison ran", False, "no comparisons", "mxfp8 and hif8 against bf16")
     numerics = {

@@ -312,8 +312,18 @@ def _performance_markdown(perf: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def _fmt(value: Any) -> str:
-    text = json.dumps(_json_safe(value), default=str)
+    text = json.dumps(_json_safe(_rounded(value)), default=str)
     return text if len(text) <= 160 else text[:157] + "..."
 
 
@@ -364,7 +374,8 @@ def write_report(
         **meta,
     }
     (out / "report.json").write_text(json.dumps(_json_safe(report), indent=1, default=str) + "\n")
-    md = [f"# Acceptance report (design spec §17): {report['summary']}", ""]
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in report["summary"].items())
+    md = [f"# Acceptance report (design spec §17): {counts}", ""]
     md += [f"- {k}: `{_fmt(v)}`" for k, v in meta.items()]
     md += ["", "| row | scenario | verdict |", "|---|---|---|"]
     md += [f"| {r.id} | {r.title} | {r.verdict} |" for r in rows]
