@@ -632,7 +632,12 @@ def _run_fsdp(rank: int) -> None:
         for handle in handles:
             handle.remove()
 
-    # Only uint8 payloads travel for the low-precision weights, in forward and backward gathers.
+    # Only uint8 payloads travel for the low-precision weights, in forward and backward gathers; every
+    # pre-all-gather has its post-all-gather (the rebuilt weight of the third format's logical shape).
+    posts = [ev for ev in events if ev.stage == "post_all_gather"]
+    events = [ev for ev in events if ev.stage == "pre_all_gather"]
+    assert sorted((ev.fqn, ev.phase) for ev in posts) == sorted((ev.fqn, ev.phase) for ev in events)
+    assert all(ev.logical_shape is not None and ev.logical_shape[0] > 0 for ev in posts)
     assert {(ev.fqn, ev.phase) for ev in events} == {(fqn, phase) for fqn in LP_FQNS for phase in ("forward", "backward")}
     assert len(events) == STEPS * 2 * len(LP_FQNS) and not any(ev.local for ev in events)
     assert all(ev.orientations == ("row", "col") for ev in events)  # one data serves both directions
