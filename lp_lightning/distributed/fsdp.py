@@ -18,9 +18,10 @@ holds identical weights) and applies, in this order and nowhere else:
    that HF keeps in FP32) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
    their compute uses FP32 weights exactly as in the unsharded model.
    With low-precision weights (``mxfp8``/``hif8``; the conversion finalized them with unbuilt
-   storage) the shard rules of design spec §9.1 are checked first
-   (:func:`~lp_lightning.integration.plan_low_precision_sharding`): an illegal
-   weight fails here naming FQN, shape, world size and rule, or, with
+   storage) each weight is placed first (:func:`~lp_lightning.integration.plan_low_precision_sharding`):
+   ``Shard(0)`` where the format's shard rule of design spec §9.1 holds, else ``Shard(1)`` (the
+   input dimension, through FSDP2's ``shard_placement_fn``) where that is legal; a weight no dim
+   can shard fails here naming FQN, shape, world size and rules, or, with
    ``fallback_to_unsharded=True``, its module is sharded first over the ``(W, 1)`` replicated
    fallback mesh (one mesh for all of them), so it stays replicated and still computes in low
    precision. ``reshard_after_forward`` is passed explicitly to every ``fully_shard``, the
@@ -248,6 +249,8 @@ class ParallelizationRecord:
         replicated_low_precision: ``(fqn, reason)`` of the low-precision weights kept replicated by
             ``fallback_to_unsharded`` (design spec §9.1); their modules were sharded over the ``(W, 1)``
             fallback mesh.
+        input_dim_sharded: FQNs of the low-precision weights sharded along their input dimension
+            (``Shard(1)``: dim 0 breaks the format's shard rule, docs/architecture.md "Placements").
     """
 
     steps: tuple[str, ...]
@@ -261,6 +264,7 @@ class ParallelizationRecord:
     reduce_dtype: str
     low_precision_weights: int = 0
     replicated_low_precision: tuple[tuple[str, str], ...] = field(default=())
+    input_dim_sharded: tuple[str, ...] = field(default=())
 
 
 def parallelize_causal_lm(
@@ -322,6 +326,7 @@ def parallelize_causal_lm(
 
     sharding = _low_precision_sharding(causal_lm, mesh, fallback_to_unsharded)
     replicated_modules: tuple[str, ...] = () if sharding is None else sharding.replicated_modules
+    placement_fn = None if sharding is None else sharding.shard_placement_fn(causal_lm)
     layers = adapter.decoder_layers(causal_lm)
     sharded = _fully_shard_model(
         causal_lm,
@@ -331,6 +336,7 @@ def parallelize_causal_lm(
         reshard_after_forward=reshard_after_forward,
         fp32_compute=fp32_compute,
         replicated_modules=replicated_modules,
+        shard_placement_fn=placement_fn,
     )
     steps.append("fully_shard")
 
@@ -356,6 +362,7 @@ def parallelize_causal_lm(
         reduce_dtype=str(mp_policy.reduce_dtype),
         low_precision_weights=0 if sharding is None else len(sharding.sharded) + len(sharding.replicated),
         replicated_low_precision=() if sharding is None else tuple((w.fqn, w.reason) for w in sharding.replicated),
+        input_dim_sharded=() if sharding is None else sharding.input_dim_sharded,
     )
     return causal_lm, record
 
@@ -402,9 +409,11 @@ def _fully_shard_model(
     reshard_after_forward: bool,
     fp32_compute: Sequence[str],
     replicated_modules: Sequence[str],
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> int:
     """Step 3: ``fully_shard`` in order — replicated fallback modules, FP32 compute modules, decoder
-    layers, root (module docstring). Returns the number of ``fully_shard`` calls."""
+    layers, root (module docstring); ``shard_placement_fn`` places the input-dim weights of the
+    layers and the root. Returns the number of ``fully_shard`` calls."""
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
     modules = dict(causal_lm.named_modules())
     if replicated_modules:  # before the layers that contain them (integration.sharding docstring)
@@ -417,9 +426,11 @@ def _fully_shard_model(
             )
     for fqn in fp32_compute:
         fully_shard(modules[fqn], mesh=mesh, mp_policy=fp32_policy, reshard_after_forward=reshard_after_forward)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                  shard_placement_fn=shard_placement_fn)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(causal_lm, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **kwargs)
+    fully_shard(causal_lm, **kwargs)
     return len(replicated_modules) + len(fp32_compute) + len(layers) + 1
 
 

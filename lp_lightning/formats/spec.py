@@ -176,12 +176,17 @@ class FormatSpec(abc.ABC):
     def weight_amax_scope(self, kind: WeightKind) -> AmaxScope:
         """Where a persistent weight's scale comes from (see :class:`AmaxScope`)."""
 
-    def shard_rule_violation(self, kind: WeightKind, shape: tuple[int, ...], world_size: int) -> str | None:
-        """Why FSDP2 dim-0 sharding of a weight over ``world_size`` ranks breaks the format, or ``None``.
+    def shard_rule_violation(
+        self, kind: WeightKind, shape: tuple[int, ...], world_size: int, dim: int = 0
+    ) -> str | None:
+        """Why FSDP2 ``Shard(dim)`` of a weight over ``world_size`` ranks breaks the format, or ``None``.
 
-        The default accepts every split (per-tensor and per-group scales).
+        The default accepts every dim-0 split (per-tensor and per-group scales) and refuses other
+        dims (a per-group scale would be split); a one-rank group is always legal.
         """
-        return None
+        if dim == 0 or world_size == 1:
+            return None
+        return f"{self.name} {WeightKind.parse(kind).value} weights shard only along dim 0"
 
     # -- quality --------------------------------------------------------------------------------
     sqnr_table: Mapping[tuple[str, str, str], tuple[float, float]] = {}

@@ -40,6 +40,16 @@ With uneven dim-0 sharding (``D0 % W != 0``), FSDP2 requires every all-gather in
 padded shard shape ``[S0, *rest]``, so the scale bytes travel packed in ``ceil(scale_bytes /
 shard_bytes)`` slots of that shape instead (one extra data-sized message per uneven weight).
 
+**Input-dim shards** (``Shard(1)``, a dense weight whose dim 0 breaks the format's shard rule;
+docs/architecture.md "Placements"): every rank holds ``[D0, D1 / W]`` and every storage tensor
+(``[D0, D1/W]`` data, ``[D0, D1/W/32]`` row scale, ``[nb(D0), D1/W]`` col scale) is split along its
+dim 1. FSDP2 views each gathered slot as ``W`` shard-shaped pieces and concatenates them along dim 1,
+so every slot must be shard-shaped: the data slots arrive as the full ``[D0, D1]`` bytes (zero
+copy), the scale bytes travel packed in shard-shaped slots as above and are reassembled (column
+concatenation of the ranks' scale tensors) in the post hook. The scale slots make such a weight's
+gather one data-sized message larger than its bytes; the alternative, replication, gathers nothing
+but keeps the full master, moments and gradient on every rank and all-reduces the gradient.
+
 Gather events: every pre-all-gather calls the observers of :func:`add_gather_observer` with a
 :class:`GatherEvent` of stage ``"pre_all_gather"`` (FQN, phase, orientations, the ``uint8`` slots,
 whether the shard group has one rank); probes count wire bytes through it. Every post-all-gather
@@ -48,8 +58,8 @@ storage tensors (views of the gathered buffers, named ``row_data`` / ``col_scale
 ``scale`` ...) and the logical shape and dtype of the gathered weight, built only while an
 observer is registered.
 
-Tensor-name legend: ``D0`` the sharded (first) dim of the parameter, ``W`` the FSDP shard-group
-size, ``S0`` rows per rank of the padded shard, ``L`` this rank's rows.
+Tensor-name legend: ``D0`` the first dim of the parameter, ``D1`` its second, ``W`` the FSDP
+shard-group size, ``S0`` rows per rank of the padded dim-0 shard, ``L`` this rank's rows.
 """
 
 from __future__ import annotations
@@ -180,6 +190,7 @@ class GatherLayout:
         outer_shape: Full logical parameter shape ``(D0, *rest)``.
         world_size: FSDP shard-group size ``W``.
         both_orientations: Physical-orientation formats: every gather carries row and col.
+        shard_dim: FSDP2's ``Shard(shard_dim)``: 0, or 1 for an input-dim shard (module docstring).
     """
 
     format: FormatSpec
@@ -187,23 +198,36 @@ class GatherLayout:
     outer_shape: tuple[int, ...]
     world_size: int
     both_orientations: bool
+    shard_dim: int = 0
     local_rows: tuple[int, ...] = field(init=False)
     rows_per_rank: int = field(init=False)
     uneven: bool = field(init=False)
     data_payloads: tuple[str, ...] = field(init=False)
     scale_payloads: tuple[str, ...] = field(init=False)
     scale_capacity: tuple[int, ...] = field(init=False)
+    shard_shape: tuple[int, ...] = field(init=False)
     slots: tuple[tuple[str, tuple[int, ...]], ...] = field(init=False)
     scratch_offsets: tuple[tuple[str, int], ...] = field(init=False)
     scratch_bytes: int = field(init=False)
     packed_offsets: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        rows = shard_rows(self.outer_shape[0], self.world_size)
         set_ = functools.partial(object.__setattr__, self)
+        d0 = self.outer_shape[0]
+        if self.shard_dim == 0:
+            rows = shard_rows(d0, self.world_size)
+            set_("shard_shape", (rows[0], *self.outer_shape[1:]))
+        elif self.shard_dim == 1 and len(self.outer_shape) >= 2 and self.outer_shape[1] % self.world_size == 0:
+            rows = [d0] * self.world_size
+            set_("shard_shape", (d0, self.outer_shape[1] // self.world_size, *self.outer_shape[2:]))
+        else:
+            raise ValueError(
+                f"GatherLayout: Shard({self.shard_dim}) of shape {self.outer_shape} over {self.world_size} ranks is "
+                "not supported (dim 0, or dim 1 split evenly)."
+            )
         set_("local_rows", tuple(rows))
         set_("rows_per_rank", rows[0])
-        set_("uneven", self.outer_shape[0] % self.world_size != 0)
+        set_("uneven", self.shard_dim == 0 and d0 % self.world_size != 0)
         if not self.format.physical_orientation:
             data_p, scale_p = ("data",), ("scale",)
         elif self.both_orientations:
@@ -213,9 +237,11 @@ class GatherLayout:
         set_("data_payloads", data_p)
         set_("scale_payloads", scale_p)
         shard_spec = self._spec(self.rows_per_rank)
+        if self.shard_dim != 0:
+            self._check_split_along_dim1(shard_spec)
         caps = tuple(max(_nbytes(*shard_spec[n]) for n in self.candidates(p)) for p in scale_p)
         set_("scale_capacity", caps)
-        shard_shape = (self.rows_per_rank, *self.outer_shape[1:])
+        shard_shape = self.shard_shape
         slots = [(p, shard_shape) for p in data_p]
         packed: list[int] = []
         if self.world_size == 1:
@@ -227,7 +253,7 @@ class GatherLayout:
                 packed.append(total)
                 total += -(-cap // 16) * 16
             slots = [("packed", (total,))]
-        elif self.uneven:
+        elif self.scales_packed:
             shard_bytes = math.prod(shard_shape)
             slots += [(f"scales[{i}]", shard_shape) for i in range(math.ceil(sum(caps) / shard_bytes))]
         else:
@@ -236,11 +262,11 @@ class GatherLayout:
         set_("packed_offsets", tuple(packed))
         # Scale tensors that cannot be zero-copy views of one gathered slot are copied into a
         # scratch buffer (uneven sharding, or a single-orientation slot sized to the larger scale).
-        full_spec = self._spec(self.outer_shape[0])
+        full_spec = self._spec_full()
         offsets, total = [], 0
         for p, cap in zip(scale_p, caps):
             for name in self.candidates(p):
-                if self.world_size > 1 and (self.uneven or _nbytes(*shard_spec[name]) != cap):
+                if self.world_size > 1 and (self.scales_packed or _nbytes(*shard_spec[name]) != cap):
                     shape, dtype = full_spec[name]
                     replicated = len(shape) == 0  # a per-tensor scale: one copy per rank
                     nbytes = _nbytes(shape, dtype) * self.world_size if replicated else _nbytes(shape, dtype)
@@ -249,8 +275,36 @@ class GatherLayout:
         set_("scratch_offsets", tuple(offsets))
         set_("scratch_bytes", total)
 
+    @property
+    def scales_packed(self) -> bool:
+        """Scale bytes travel in shard-shaped slots (uneven dim-0 or input-dim shards: FSDP2 needs it)."""
+        return self.uneven or self.shard_dim != 0
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """The logical shape of rank ``rank``'s shard."""
+        if self.shard_dim == 0:
+            return (self.local_rows[rank], *self.outer_shape[1:])
+        return self.shard_shape
+
     def _spec(self, rows: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        if self.shard_dim != 0 and rows == self.rows_per_rank:
+            return storage_spec(self.format, self.kind, self.shard_shape)
         return storage_spec(self.format, self.kind, (rows, *self.outer_shape[1:]))
+
+    def _check_split_along_dim1(self, shard_spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Every storage tensor of an input-dim shard is its full tensor split evenly along dim 1."""
+        for name, (full, _) in self._spec_full().items():
+            local = shard_spec[name][0]
+            if len(full) == 0:
+                continue
+            if len(full) < 2 or local[1] * self.world_size != full[1] or local[:1] + local[2:] != full[:1] + full[2:]:
+                raise ValueError(
+                    f"GatherLayout: {self.format.name} storage {name!r} {full} is not split along dim 1 by "
+                    f"Shard(1) over {self.world_size} ranks (local {local}); keep dim-0 sharding."
+                )
+
+    def _spec_full(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return storage_spec(self.format, self.kind, self.outer_shape)
 
     def candidates(self, payload: str) -> tuple[str, ...]:
         """Storage names that may fill ``payload`` (MXFP8 single-orientation slots serve two)."""
@@ -292,7 +346,7 @@ class GatherLayout:
                 raise ValueError(
                     f"fsdp_pre_all_gather({fqn!r}): storage {name!r} is {got}, the schema says {shape} {dtype}."
                 )
-        shard_shape = (self.rows_per_rank, *self.outer_shape[1:])
+        shard_shape = self.shard_shape
         if self.world_size == 1:
             packed = torch.zeros(self.slots[0][1], dtype=torch.uint8, device=next(iter(storage.values())).device)
             payloads = self.data_payloads + self.scale_payloads
@@ -310,7 +364,7 @@ class GatherLayout:
                 slot.view(-1)[: raw.numel()].copy_(raw)
                 out.append(slot)
         scale_bytes = [_as_bytes(storage[self._active(p, orientations)]) for p in self.scale_payloads]
-        if self.uneven:
+        if self.scales_packed:
             shard_bytes = math.prod(shard_shape)
             n = len(self.slots) - len(self.data_payloads)
             region = torch.zeros(n * shard_bytes, dtype=torch.uint8, device=scale_bytes[0].device)
@@ -367,7 +421,7 @@ class GatherLayout:
         """
         self.check_outputs(outputs, fqn=fqn)
         d0, world = self.outer_shape[0], self.world_size
-        full_spec = self._spec(d0)
+        full_spec = self._spec_full()
         storage: dict[str, torch.Tensor] = {}
         if world == 1:
             for payload, offset in zip(self.data_payloads + self.scale_payloads, self.packed_offsets):
@@ -378,23 +432,29 @@ class GatherLayout:
         for payload, gathered in zip(self.data_payloads, outputs):
             name = self._active(payload, orientations)
             shape, dtype = full_spec[name]
-            storage[name] = gathered[:d0].view(shape).view(dtype)
+            # dim 0: drop the padding rows; dim 1: FSDP2 already concatenated the shards along dim 1
+            rows = gathered[:d0] if self.shard_dim == 0 else gathered
+            storage[name] = rows.view(shape).view(dtype)
         if self.scratch_bytes and (scratch is None or scratch.numel() != self.scratch_bytes):
             scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=outputs[0].device)
         offsets = dict(self.scratch_offsets)
         scale_outputs = outputs[len(self.data_payloads) :]
-        if self.uneven:
-            per_rank_slots = [g.reshape(world, -1) for g in scale_outputs]  # rank r's region = row r
+        if self.scales_packed:
+            if self.shard_dim == 0:
+                per_rank_slots = [g.reshape(world, -1) for g in scale_outputs]  # rank r's region = row r
+            else:  # FSDP2 laid the W shard-shaped slots side by side along dim 1: [D0, W, D1/W] bytes
+                rows, cols = self.shard_shape[0], math.prod(self.shard_shape[1:])
+                per_rank_slots = [g.reshape(rows, world, cols).transpose(0, 1).reshape(world, -1) for g in scale_outputs]
             regions = torch.cat(per_rank_slots, dim=1) if len(per_rank_slots) > 1 else per_rank_slots[0]
         region_offset = 0
         for i, (payload, cap) in enumerate(zip(self.scale_payloads, self.scale_capacity)):
             name = self._active(payload, orientations)
             shape, dtype = full_spec[name]
             per_rank = [_nbytes(*self._spec(rows)[name]) for rows in self.local_rows]
-            if not self.uneven and all(b == cap for b in per_rank):
+            if not self.scales_packed and all(b == cap for b in per_rank):
                 flat = scale_outputs[i]  # rank-major and gap-free: the full tensor's bytes in order
             else:
-                if self.uneven:
+                if self.scales_packed:
                     ranks = regions[:, region_offset : region_offset + cap]
                 else:
                     ranks = scale_outputs[i].view(world, cap)
@@ -402,7 +462,12 @@ class GatherLayout:
                 start = offsets[name]
                 total = sum(per_rank)
                 flat = scratch[start : start + total]
-                torch.cat([ranks[r, :b] for r, b in enumerate(per_rank)], out=flat)
+                if self.shard_dim == 0 or len(shape) == 0:
+                    torch.cat([ranks[r, :b] for r, b in enumerate(per_rank)], out=flat)
+                else:  # the ranks' scale tensors side by side along dim 1
+                    local = self._spec(self.rows_per_rank)[name][0]
+                    pieces = [ranks[r, :b].view(dtype).view(local) for r, b in enumerate(per_rank)]
+                    torch.cat(pieces, dim=1, out=flat.view(dtype).view(shape))
             region_offset += cap
             if len(shape) == 0:  # a per-tensor scale, one copy per rank: all must agree
                 scales_W = flat.view(dtype)
@@ -419,9 +484,9 @@ class GatherLayout:
 
 @functools.lru_cache(maxsize=4096)
 def _gather_layout_cached(
-    fmt: FormatSpec, kind: WeightKind, outer_shape: tuple[int, ...], world_size: int, both: bool
+    fmt: FormatSpec, kind: WeightKind, outer_shape: tuple[int, ...], world_size: int, both: bool, shard_dim: int
 ) -> GatherLayout:
-    return GatherLayout(fmt, kind, outer_shape, world_size, both)
+    return GatherLayout(fmt, kind, outer_shape, world_size, both, shard_dim)
 
 
 def gather_layout(
@@ -430,6 +495,7 @@ def gather_layout(
     outer_shape: tuple[int, ...],
     world_size: int,
     policy: GatherPolicy = GatherPolicy(),
+    shard_dim: int = 0,
 ) -> GatherLayout:
     """The fixed FSDP2 gather schema of a weight (cached; identical on every rank and call).
 
@@ -439,22 +505,37 @@ def gather_layout(
         outer_shape: Full logical parameter shape.
         world_size: FSDP shard-group size.
         policy: Gather policy (orientation choice of physical-orientation formats).
+        shard_dim: FSDP2's ``Shard(shard_dim)`` of the weight (0, or 1 for an input-dim shard).
 
     Returns:
         The :class:`GatherLayout`.
 
     Raises:
-        ValueError: a layout that breaks the format's shard rule (MXFP8: design spec §9.1).
+        ValueError: a layout that breaks the format's shard rule for ``shard_dim`` (MXFP8: design
+            spec §9.1, docs/architecture.md "Placements").
     """
     fmt, kind = as_spec(format), WeightKind.parse(kind)
-    reason = fmt.shard_rule_violation(kind, tuple(outer_shape), world_size)
+    reason = fmt.shard_rule_violation(kind, tuple(outer_shape), world_size, shard_dim)
     if reason is not None:
         raise ValueError(
-            f"cannot all-gather a {fmt.name} {kind.value} weight of shape {tuple(outer_shape)} over {world_size} "
-            f"ranks: {reason}. Keep it replicated (fallback_to_unsharded=true) or change the world size."
+            f"cannot all-gather a {fmt.name} {kind.value} weight of shape {tuple(outer_shape)} as Shard({shard_dim}) "
+            f"over {world_size} ranks: {reason}. Keep it replicated (fallback_to_unsharded=true) or change the world size."
         )
     both = fmt.physical_orientation and policy.gathers_both_orientations
-    return _gather_layout_cached(fmt, kind, tuple(int(s) for s in outer_shape), int(world_size), both)
+    return _gather_layout_cached(fmt, kind, tuple(int(s) for s in outer_shape), int(world_size), both, int(shard_dim))
+
+
+def _shard_dim(local_shape: tuple[int, ...], outer_shape: tuple[int, ...]) -> int:
+    """FSDP2's shard dim of a local tensor: 1 when only dim 1 is smaller than the full shape, else 0
+    (dim 0, and a one-rank group whose shard is the whole tensor)."""
+    if (
+        len(local_shape) >= 2
+        and local_shape[0] == outer_shape[0]
+        and local_shape[1] != outer_shape[1]
+        and local_shape[2:] == outer_shape[2:]
+    ):
+        return 1
+    return 0
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -553,18 +634,20 @@ class GatherExtension:
             :class:`GatherMetadata` for the matching post hook.
 
         Raises:
-            ValueError: storage not built, not a dim-0 shard, an MXFP8 shard breaking §9.1, or
+            ValueError: storage not built, not a Shard(0)/Shard(1) shard, a shard breaking the format's
+                rule (MXFP8: §9.1), or
                 storage tensors that disagree with the declared schema.
         """
         world_size, rank = mesh.size(), mesh.get_local_rank()
-        layout = gather_layout(weight.format, weight.kind, tuple(outer_size), world_size, _policy(weight))
+        shard_dim = _shard_dim(tuple(weight.shape), tuple(outer_size))
+        layout = gather_layout(weight.format, weight.kind, tuple(outer_size), world_size, _policy(weight), shard_dim)
         local_rows = layout.local_rows[rank]
-        expected_local = (local_rows, *layout.outer_shape[1:])
+        expected_local = layout.local_shape(rank)
         if tuple(weight.shape) != expected_local:
             raise ValueError(
-                f"fsdp_pre_all_gather({weight.fqn!r}): local shard {tuple(weight.shape)} is not the dim-0 shard "
-                f"{expected_local} of {layout.outer_shape} on rank {rank} of {world_size}; low-precision weights "
-                "only support FSDP2 Shard(0): pass no shard_placement_fn."
+                f"fsdp_pre_all_gather({weight.fqn!r}): local shard {tuple(weight.shape)} is not the Shard({shard_dim}) "
+                f"shard {expected_local} of {layout.outer_shape} on rank {rank} of {world_size}; low-precision weights "
+                "support FSDP2 Shard(0) and, where their format allows it, Shard(1) (integration.plan_low_precision_sharding)."
             )
         if not weight.is_built:
             raise ValueError(
@@ -623,7 +706,9 @@ class GatherExtension:
                 f"got {type(metadata).__name__}."
             )
         layout = metadata.layout
-        expected = gather_layout(weight.format, weight.kind, layout.outer_shape, layout.world_size, _policy(weight))
+        expected = gather_layout(
+            weight.format, weight.kind, layout.outer_shape, layout.world_size, _policy(weight), layout.shard_dim
+        )
         if layout != expected or metadata.fqn != weight.fqn:
             raise ValueError(
                 f"fsdp_post_all_gather({weight.fqn!r}): metadata describes {metadata.fqn!r} with {layout}, this weight "

@@ -460,7 +460,7 @@ def test_tiny_model_trains_single_process_with_select_in_forward_and_backward():
 # Part 2: real FSDP2 on 2 CPU processes (gloo).
 
 WORLD = 2
-_SCENARIOS = ("mx_parity", "hif8_uneven_empty", "mx_fallback", "mx_checkpoint_bf16")
+_SCENARIOS = ("mx_parity", "hif8_uneven_empty", "mx_fallback", "mx_checkpoint_bf16", "mx_input_dim")
 
 
 def _free_port() -> int:
@@ -560,9 +560,11 @@ def _scenario(rank: int, fmt: str, dims, policy, *, fallback: bool = False, chec
     plan = plan_low_precision_sharding(model, WORLD, fallback_to_unsharded=fallback)
     for module_fqn in plan.replicated_modules:
         fully_shard(model.get_submodule(module_fqn), mesh=replicated_fallback_mesh("cpu", WORLD), reshard_after_forward=True, mp_policy=mp)
+    placement_fn = plan.shard_placement_fn(model)
     for name in ("dense", "experts"):
         if name not in plan.replicated_modules:
-            fully_shard(getattr(model, name), mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=mp)
+            fully_shard(getattr(model, name), mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=mp,
+                        shard_placement_fn=placement_fn)
     fully_shard(model, mesh=mesh, reshard_after_forward=policy.reshard_after_forward, mp_policy=mp)
     with RefreshRecorder() as rec:
         refresh_low_precision_weights(model.parameters())  # build the shards FSDP2 created
@@ -654,6 +656,49 @@ def _run_mx_checkpoint_bf16(rank: int) -> None:
     assert fsdp_selects == {("forward", torch.bfloat16, GatheredWeightTensor), ("backward", torch.bfloat16, GatheredWeightTensor)}
     # BF16 compute copies: gradients carry BF16 rounding (2^-8) before the FP32 reduce-scatter.
     torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=2e-2, atol=0)
+
+
+def _run_mx_input_dim(rank: int) -> None:
+    """dense [96, 128]: 48 rows/rank break M_local % 64, so it is sharded along its input dim (Shard(1),
+    64 columns/rank): no replica, gathered operands bit-identical to quantising the full master."""
+    from torch.distributed.tensor import Shard
+
+    from lp_lightning.integration import add_gather_observer
+
+    dims = (128, 96, 2, 64, 8)
+    for policy in (SINGLE, BOTH):
+        posts: list = []
+        with add_gather_observer(lambda e: posts.append(e) if e.stage == "post_all_gather" else None):
+            r = _scenario(rank, "mxfp8_e4m3", dims, policy)
+        plan = r["plan"]
+        assert plan.replicated == () and plan.input_dim_sharded == ("dense.weight",)
+        assert [p.placement for p in plan.placements] == ["Shard(1)", "Shard(0)"]
+        assert "M_local % 64 == 0 fails" in plan.placements[0].dim0_violation
+        _assert_parity(r, rtol=1e-5)
+        weight = r["model"].dense.weight
+        assert weight.placements == (Shard(1),) and tuple(weight.to_local().shape) == (96, 64)
+        assert isinstance(weight.to_local(), QuantizedWeightTensor)
+        dense_posts = [e for e in posts if e.fqn == "dense.weight"]
+        assert {e.orientations for e in dense_posts} == ({("row",), ("col",)} if policy is SINGLE else {("row", "col")})
+        # Every gather of the last step rebuilt exactly the storage of the full master after that
+        # step's refresh: compare with a fresh quantisation of the gathered FP32 master.
+        reference = QuantizedWeightTensor.from_master(r["masters"]["dense.weight"], recipe="mxfp8_e4m3", kind="dense")
+        checked = 0
+        model = r["model"]  # the last refresh came after the last gather: gather once more
+        posts.clear()
+        with add_gather_observer(lambda e: posts.append(e) if e.stage == "post_all_gather" else None):
+            model.dense.unshard()
+        for event in posts:  # views of FSDP2's gather buffers: read them before the reshard frees them
+            for name, tensor in zip(event.names, event.tensors):
+                want = reference.low_precision_storage[name]
+                assert tensor.shape == want.shape and torch.equal(_bits(tensor), _bits(want)), name
+                checked += 1
+        posts.clear()
+        model.dense.reshard()
+        assert checked == (2 if policy is SINGLE else 4)
+        wire = {n for f, _, _, n, _ in r["wire"].pre if f == "dense.weight"}
+        layout = gather_layout("mxfp8_e4m3", "dense", (96, 128), WORLD, policy, shard_dim=1)
+        assert wire == {sum(math.prod(shape) for _, shape in layout.slots)}
 
 
 def _worker(rank: int, port: int, names: tuple[str, ...]) -> None:

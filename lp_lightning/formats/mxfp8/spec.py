@@ -5,8 +5,9 @@
   token-sorted operand stop at group ends (``group_list``).
 - Numerics: an E4M3 value times a power-of-two scale is exact in FP32, so the exact GEMM
   emulation multiplies fully dequantized operands (scales differ along the contraction).
-- Weights: per-block scales, computed locally; FSDP2's dim-0 shards must hold whole pairs of
-  32-row col blocks (the shard rule below).
+- Weights: per-block scales, computed locally; FSDP2's shards must hold whole pairs of blocks:
+  dim-0 shards of 32-row col blocks, dim-1 (input-dim) shards of 32-column row blocks (the shard
+  rule below).
 """
 
 from __future__ import annotations
@@ -74,28 +75,45 @@ class MXFP8Spec(FormatSpec):
     def weight_amax_scope(self, kind: WeightKind) -> AmaxScope:
         return AmaxScope.BLOCK
 
-    def shard_rule_violation(self, kind: WeightKind, shape: tuple[int, ...], world_size: int) -> str | None:
-        """The MXFP8 shard rule of design spec §9.1 for dim-0 sharding, or ``None`` when it holds.
+    def shard_rule_violation(
+        self, kind: WeightKind, shape: tuple[int, ...], world_size: int, dim: int = 0
+    ) -> str | None:
+        """The MXFP8 shard rule of design spec §9.1 for ``Shard(dim)``, or ``None`` when it holds.
 
-        Dense ``[M, K]``: every rank's ``M_local % 64 == 0``. Grouped ``[E, D1, D2]``: every rank's
-        ``(E_local * D1) % 64 == 0``. Empty shards satisfy both; a one-rank group (one process,
-        or the replicated fallback's ``(W, 1)`` mesh) has no shard boundary and is always legal.
+        ``dim=0``, dense ``[M, K]``: every rank's ``M_local % 64 == 0``; grouped ``[E, D1, D2]``:
+        every rank's ``(E_local * D1) % 64 == 0``. ``dim=1``, dense only (the input dimension,
+        docs/architecture.md "Placements"): ``K % W == 0`` (FSDP2 shards dims other than 0 evenly)
+        and ``K_local % 64 == 0``, so every row block and every pair of them stays on one rank; col
+        blocks run along ``M``, which every rank holds whole. Empty shards satisfy the dim-0 rules;
+        a one-rank group (one process, or the replicated fallback's ``(W, 1)`` mesh) is always legal.
         """
         kind = WeightKind.parse(kind)
         if world_size == 1:
             return None
-        rows = shard_rows(shape[0], world_size)
-        if kind is WeightKind.DENSE:
-            if any(r % MX_ROW_MULTIPLE for r in rows):
+        if dim == 0:
+            rows = shard_rows(shape[0], world_size)
+            if kind is WeightKind.DENSE:
+                if any(r % MX_ROW_MULTIPLE for r in rows):
+                    return (
+                        f"MXFP8 2-D rule M_local % {MX_ROW_MULTIPLE} == 0 fails: rows per rank {rows} "
+                        f"(dim 0 = {shape[0]} over {world_size} ranks)"
+                    )
+                return None
+            if any((r * shape[1]) % MX_ROW_MULTIPLE for r in rows):
                 return (
-                    f"MXFP8 2-D rule M_local % {MX_ROW_MULTIPLE} == 0 fails: rows per rank {rows} "
-                    f"(dim 0 = {shape[0]} over {world_size} ranks)"
+                    f"MXFP8 3-D rule (E_local * D1) % {MX_ROW_MULTIPLE} == 0 fails: experts per rank {rows}, "
+                    f"D1 = {shape[1]} (E = {shape[0]} over {world_size} ranks)"
                 )
             return None
-        if any((r * shape[1]) % MX_ROW_MULTIPLE for r in rows):
+        if kind is not WeightKind.DENSE or dim != 1:
+            return f"MXFP8 {kind.value} weights shard along dim 0{' or 1' if kind is WeightKind.DENSE else ''} only"
+        cols = shape[1]
+        if cols % world_size:
+            return f"Shard(1) needs K % W == 0 (FSDP2 shards dim 1 evenly): K = {cols} over {world_size} ranks"
+        if (cols // world_size) % MX_ROW_MULTIPLE:
             return (
-                f"MXFP8 3-D rule (E_local * D1) % {MX_ROW_MULTIPLE} == 0 fails: experts per rank {rows}, "
-                f"D1 = {shape[1]} (E = {shape[0]} over {world_size} ranks)"
+                f"MXFP8 Shard(1) rule K_local % {MX_ROW_MULTIPLE} == 0 fails: K_local = {cols // world_size} "
+                f"(K = {cols} over {world_size} ranks)"
             )
         return None
 
