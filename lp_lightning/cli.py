@@ -25,9 +25,10 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   checked while parsing; in mxfp8/hif8 the plan is compiled once at launch on the meta model (zero
   hits, wrong module types, unimportable paths fail then, exit status 2) and handed to the plugin.
 * ``--fsdp_config.*``: :class:`~lp_lightning.config.FSDP2Config` (design spec §4.3); unsupported values
-  (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built. With
-  ``fallback_to_unsharded: false``, weights that break the format's shard rule over the run's world
-  size are listed in one error at launch (FQN, shape, rows per rank, the fix).
+  (``comm_fusion: true``, TP/CP/EP/PP > 1) fail before any model is built. A weight whose dim-0
+  split breaks its format's shard rule is sharded along its input dim (``input_dim_sharding``); with
+  ``fallback_to_unsharded: false``, weights no dim can shard over the run's world size are listed
+  in one error at launch (FQN, shape, rules, the fix).
 * ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
 * ``--run_summary.*``: :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`
@@ -496,7 +497,8 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
     structure-only model: a target FQN naming no module, a module that is not the rule's
     ``module_type``, rule conflicts and unimportable ``module_type``/factory paths fail here. Then, with
     ``fsdp_config.fallback_to_unsharded: false`` and a known world size, every weight that breaks the
-    format's shard rule is listed in one error (FQN, shape, rows per rank, the fix) instead of one
+    format's shard rule along every dim it may take (dim 0, then the input dim: docs/architecture.md
+    "Placements") is listed in one error (FQN, shape, rows per rank, the fix) instead of one
     traceback per rank; the strategy's per-rank check stays as a guard.
 
     Raises:
@@ -515,7 +517,10 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
     plugin.compile_plan(meta).apply(meta)
     fallback = section["fsdp_config"].get("fallback_to_unsharded")
     if world_size is not None and not fallback:
-        violations = planned_shard_violations(meta, world_size, plugin.policy.format.value)
+        violations = planned_shard_violations(
+            meta, world_size, plugin.policy.format.value,
+            input_dim_sharding=section["fsdp_config"].get("input_dim_sharding", True),
+        )
         if violations:
             raise illegal_shards_error(violations, world_size)
 

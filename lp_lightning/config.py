@@ -12,6 +12,7 @@ YAML (design spec §4.3, the 16B node)::
       reshard_after_forward: true
       comm_fusion: false
       fallback_to_unsharded: false
+      input_dim_sharding: true
 
 Only 1-D data-parallel sharding (FSDP2 over a ``("dp_shard",)`` mesh) is supported; the
 tensor/context/expert/pipeline parallel degrees exist as keys only so that a config asking for
@@ -51,11 +52,16 @@ class FSDP2Config:
             communication). Issue 4 uses it to choose which MXFP8 orientation is gathered (R7).
         comm_fusion: Fusing FSDP collectives across layers. Unsupported (design spec §15): ``True``
             raises here.
-        fallback_to_unsharded: What to do with a parameter whose local shard violates a
-            low-precision format's shard rule (MXFP8: rows of a 2-D shard a multiple of 64, R7):
-            ``False`` fails at startup, ``True`` keeps that parameter replicated (it still computes
-            in low precision). In the ``bf16`` precision there is no such rule, every parameter is
-            sharded and the flag has no effect; it is read by the low-precision sharding check.
+        fallback_to_unsharded: What to do with a low-precision weight that no dim can shard
+            legally (design spec §9.1; docs/architecture.md "Placements"): ``False`` fails at
+            startup, ``True`` keeps that weight replicated (it still computes in low precision).
+            In the ``bf16`` precision there is no such rule, every parameter is sharded and the
+            flag has no effect; it is read by the low-precision sharding check.
+        input_dim_sharding: Shard a weight whose dim-0 split breaks its format's rule (MXFP8:
+            rows per rank a multiple of 64) along its input dimension instead (FSDP2 ``Shard(1)``,
+            where that split is legal). ``False`` treats such weights as unshardable (replicated
+            with ``fallback_to_unsharded``, else an error): the behaviour before placements, kept to
+            compare the two.
         tensor_parallel_size: Must be 1 (design spec §15).
         context_parallel_size: Must be 1 (design spec §15).
         expert_parallel_size: Must be 1 (design spec §15).
@@ -72,13 +78,14 @@ class FSDP2Config:
     reshard_after_forward: bool = True
     comm_fusion: bool = False
     fallback_to_unsharded: bool = False
+    input_dim_sharding: bool = True
     tensor_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("reshard_after_forward", "comm_fusion", "fallback_to_unsharded"):
+        for key in ("reshard_after_forward", "comm_fusion", "fallback_to_unsharded", "input_dim_sharding"):
             value = getattr(self, key)
             if not isinstance(value, bool):
                 raise TypeError(

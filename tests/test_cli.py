@@ -48,24 +48,21 @@ def test_every_cli_config_parses(path):
 
 
 def test_16b_low_precision_configs_equal_the_bf16_baseline():
-    """Design spec §17.4: same effective training configuration; only precision (and MXFP8's fallback) differ."""
+    """Design spec §17.4: same effective training configuration, one fsdp_config; only the precision differs."""
     base = _as_dict(parse_config(["--config", str(CONFIGS / "dsv3_16b_bf16.yaml")]))
     for name in ("mxfp8", "hif8"):
         other = _as_dict(parse_config(["--config", str(CONFIGS / f"dsv3_16b_{name}.yaml")]))
         differing = {k for k in base if base[k] != other[k]}
-        assert differing == {"precision", "low_precision", "run_summary", "trainer", "fsdp_config"} - (
-            {"fsdp_config"} if name == "hif8" else set()
-        ), name
+        assert differing == {"precision", "low_precision", "run_summary", "trainer"}, name
         assert {k for k in base["trainer"] if base["trainer"][k] != other["trainer"][k]} == {"default_root_dir"}
     mx = parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml")])
-    assert mx.fsdp_config.fallback_to_unsharded is True
+    assert mx.fsdp_config.fallback_to_unsharded is False and mx.fsdp_config.input_dim_sharding is True
 
 
-def test_16b_mxfp8_fallback_list_is_the_shard_rule():
-    """The weights dsv3_16b_mxfp8.yaml's comment says stay replicated over 8 ranks (design spec §9.1)."""
+def _dim0_rule_breakers_at_8_ranks() -> list[tuple[str, tuple[int, ...]]]:
+    """Independent of the planner: the design spec §9.1 dim-0 rule applied by hand to the 16B plan."""
     import torch
 
-    from lp_lightning.formats.mxfp8 import SPEC as MXFP8
     from lp_lightning.models.deepseek_v3 import build_meta_model
     from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
     from lp_lightning.plan import compile_plan
@@ -78,16 +75,37 @@ def test_16b_mxfp8_fallback_list_is_the_shard_rule():
         module = model.get_submodule(entry.fqn)
         for name in ("weight",) if isinstance(module, torch.nn.Linear) else ("gate_up_proj", "down_proj"):
             shape = tuple(getattr(module, name).shape)
-            if MXFP8.shard_rule_violation("dense" if len(shape) == 2 else "grouped", shape, 8):
-                illegal.append((f"{entry.fqn}.{name}".split(".", 3)[-1], shape))
+            rows = -(-shape[0] // 8)  # torch.chunk rows per rank (8 divides every dim 0 here)
+            per_rank = rows if len(shape) == 2 else rows * shape[1]
+            if per_rank % 64:
+                illegal.append((f"{entry.fqn}.{name}", shape))
+    return illegal
+
+
+def test_16b_mxfp8_dim0_rule_breakers_shard_along_their_input_dim():
+    """At 8 ranks 84 weights break the MXFP8 dim-0 rule (design spec §9.1); each takes Shard(1) (2048 / 8 = 256
+    columns per rank, a multiple of 64), none is replicated."""
+    from lp_lightning.lightning.precision import LowPrecisionPlugin
+    from lp_lightning.integration import planned_placements, planned_shard_violations
+    from lp_lightning.models.deepseek_v3 import build_meta_model
+
+    illegal = _dim0_rule_breakers_at_8_ranks()
     assert len(illegal) == 28 + 2 + 2 * 27  # kv_a_proj_with_mqa per layer, dense gate/up, shared gate/up
-    assert set(illegal) == {
+    assert {(fqn.split(".", 3)[-1], shape) for fqn, shape in illegal} == {
         ("self_attn.kv_a_proj_with_mqa.weight", (3136, 2048)),
         ("mlp.gate_proj.weight", (10944, 2048)),
         ("mlp.up_proj.weight", (10944, 2048)),
         ("mlp.shared_experts.gate_proj.weight", (2816, 2048)),
         ("mlp.shared_experts.up_proj.weight", (2816, 2048)),
     }
+    meta = build_meta_model("dsv3-16b")
+    LowPrecisionPlugin("mxfp8").compile_plan(meta).apply(meta)
+    placements = planned_placements(meta, 8, "mxfp8_e4m3")
+    assert {p.fqn for p in placements if p.dim0_violation} == {fqn for fqn, _ in illegal}
+    assert {p.fqn for p in placements if p.shard_dim == 1} == {fqn for fqn, _ in illegal}
+    assert all(p.shard_dim == 0 for p in placements if not p.dim0_violation) and len(placements) == 250
+    assert planned_shard_violations(meta, 8, "mxfp8_e4m3") == ()
+    assert len(planned_shard_violations(meta, 8, "mxfp8_e4m3", input_dim_sharding=False)) == 84
 
 
 def test_16b_bf16_config_is_the_seed_node_setup():

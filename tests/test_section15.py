@@ -371,19 +371,36 @@ def test_non_dcp_checkpoint_fails_at_startup_naming_the_path(tmp_path, capsys, n
 
 
 def test_illegal_shards_fail_once_at_launch_listing_every_fqn(capsys, nothing_instantiated):
+    # Without input-dim sharding, the 84 weights that break the MXFP8 dim-0 rule at 8 ranks cannot be placed.
     text = _fails_at_parse(capsys, nothing_instantiated, "--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"),
-                           "--fsdp_config.fallback_to_unsharded", "false", *NO_NPU)
+                           "--fsdp_config.input_dim_sharding", "false", *NO_NPU)
     assert text.count("cannot be sharded") == 1
-    assert text.startswith("84 low-precision weight(s) cannot be sharded over 8 ranks (design spec §9.1) and "
-                           "fsdp_config.fallback_to_unsharded is false:")
+    assert text.startswith("84 low-precision weight(s) cannot be sharded over 8 ranks along any dim (design spec "
+                           '§9.1; docs/architecture.md "Placements") and fsdp_config.fallback_to_unsharded is false:')
     assert text.count(": shape (3136, 2048) over world size 8: MXFP8 2-D rule M_local % 64 == 0 fails: rows per "
                       "rank [392, 392, 392, 392, 392, 392, 392, 392]") == 28
     assert text.count(": shape (10944, 2048) over world size 8") == 2 and "rows per rank [1368," in text
     assert text.count(": shape (2816, 2048) over world size 8") == 54 and "rows per rank [352," in text
+    assert text.count("fsdp_config.input_dim_sharding is false") == 84
     for layer in range(28):
         assert f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight: shape" in text
     assert text.endswith("Set `fsdp_config.fallback_to_unsharded: true` (they stay replicated; their GEMMs stay low "
                          "precision) or use another data-parallel size (trainer.devices x trainer.num_nodes).")
+
+
+def test_weights_no_dim_can_shard_fail_at_launch_with_both_rules(capsys, nothing_instantiated):
+    # hidden 192: kv_a_proj_with_mqa [96, 192] has 48 rows and 96 columns per rank, neither a multiple of 64.
+    text = _fails_at_parse(capsys, nothing_instantiated, "--precision", "mxfp8", "--trainer.devices", "2",
+                           "--model.validate_spec", "false",
+                           "--model.config_overrides", '{"kv_lora_rank": 64, "hidden_size": 192}')
+    assert text.startswith("3 low-precision weight(s) cannot be sharded over 2 ranks along any dim")
+    assert text.count("kv_a_proj_with_mqa.weight: shape (96, 192) over world size 2: MXFP8 2-D rule M_local % 64 "
+                      "== 0 fails: rows per rank [48, 48] (dim 0 = 96 over 2 ranks); MXFP8 Shard(1) rule K_local % "
+                      "64 == 0 fails: K_local = 96 (K = 192 over 2 ranks)") == 3
+
+
+def test_16b_mxfp8_passes_the_launch_check_with_input_dim_shards():
+    _check_launch(parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), *NO_NPU]))
 
 
 def test_legal_shards_pass_the_launch_check():
@@ -459,7 +476,7 @@ def test_adamw_over_non_fp32_parameters_is_refused():
         (["--trainer.precision", "bf16-mixed"], "trainer.precision='bf16-mixed' cannot be set"),
         (["--precision", "mxfp8", "--plan_overrides", json.dumps([_linear_rule("x", "model.layers.0.mlp.nope")])],
          "rule 'x' (torch.nn.Linear"),
-        (["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--fsdp_config.fallback_to_unsharded", "false", *NO_NPU],
+        (["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), "--fsdp_config.input_dim_sharding", "false", *NO_NPU],
          "84 low-precision weight(s) cannot be sharded over 8 ranks"),
     ],
     ids=["comm_fusion", "tp2", "mxfp8-current", "delayed", "trainer.precision", "plan-zero-hits", "illegal-shards"],

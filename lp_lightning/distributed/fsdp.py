@@ -277,6 +277,7 @@ def parallelize_causal_lm(
     convert_module: Callable[[nn.Module], nn.Module] | None = None,
     fallback_to_unsharded: bool = False,
     adapter: ModelAdapter | None = None,
+    input_dim_sharding: bool = True,
 ) -> tuple[nn.Module, ParallelizationRecord]:
     """Converts, upcasts, shards and (optionally) recompute-wraps a causal LM, in that order.
 
@@ -290,10 +291,12 @@ def parallelize_causal_lm(
         convert_module: The precision plugin's module conversion, or ``None`` when the caller
             already ran it. It must return a module with the same decoder-layer layout.
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``: keep low-precision weights
-            that break the MXFP8 shard rule replicated instead of failing (module docstring).
+            that no dim can shard replicated instead of failing (module docstring).
         adapter: The model's :class:`~lp_lightning.models.adapter.ModelAdapter` (decoder layers,
             FP32 compute modules); ``None`` looks it up with
             :func:`~lp_lightning.models.adapter.adapter_for`.
+        input_dim_sharding: ``fsdp_config.input_dim_sharding``: ``Shard(1)`` for weights whose
+            dim-0 split breaks their format's rule (module docstring).
 
     Returns:
         ``(model, record)``: the model to use from now on (the object ``convert_module`` returned,
@@ -324,7 +327,7 @@ def parallelize_causal_lm(
     upcast = upcast_parameters_to_fp32(causal_lm)
     steps.append("upcast_fp32")
 
-    sharding = _low_precision_sharding(causal_lm, mesh, fallback_to_unsharded)
+    sharding = _low_precision_sharding(causal_lm, mesh, fallback_to_unsharded, input_dim_sharding)
     replicated_modules: tuple[str, ...] = () if sharding is None else sharding.replicated_modules
     placement_fn = None if sharding is None else sharding.shard_placement_fn(causal_lm)
     layers = adapter.decoder_layers(causal_lm)
@@ -387,7 +390,9 @@ def _convert(causal_lm: nn.Module, convert_module: Callable[[nn.Module], nn.Modu
     return converted
 
 
-def _low_precision_sharding(causal_lm: nn.Module, mesh: DeviceMesh, fallback_to_unsharded: bool) -> Any | None:
+def _low_precision_sharding(
+    causal_lm: nn.Module, mesh: DeviceMesh, fallback_to_unsharded: bool, input_dim_sharding: bool
+) -> Any | None:
     """The shard-legality plan of the low-precision weights (design spec §9.1), ``None`` without any (bf16).
 
     Imports :mod:`lp_lightning.integration` only when the model holds
@@ -397,7 +402,9 @@ def _low_precision_sharding(causal_lm: nn.Module, mesh: DeviceMesh, fallback_to_
         return None
     from lp_lightning.integration import plan_low_precision_sharding
 
-    return plan_low_precision_sharding(causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded)
+    return plan_low_precision_sharding(
+        causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded, input_dim_sharding=input_dim_sharding
+    )
 
 
 def _fully_shard_model(

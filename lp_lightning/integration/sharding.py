@@ -114,9 +114,16 @@ SHARD_DIM_CANDIDATES: tuple[int, ...] = (0, 1)
 
 
 def choose_shard_dim(
-    fqn: str, shape: tuple[int, ...], kind: WeightKind | str, world_size: int, format: FormatSpec | str
+    fqn: str,
+    shape: tuple[int, ...],
+    kind: WeightKind | str,
+    world_size: int,
+    format: FormatSpec | str,
+    *,
+    input_dim_sharding: bool = True,
 ) -> tuple[int | None, str | None, str | None]:
-    """The FSDP2 shard dim of one weight (module docstring "Placements").
+    """The FSDP2 shard dim of one weight (module docstring "Placements"); ``input_dim_sharding=False``
+    (``fsdp_config.input_dim_sharding``) tries dim 0 only.
 
     Returns:
         ``(shard_dim, dim0_violation, reason)``: ``shard_dim`` is 0, 1 or ``None`` (no legal dim:
@@ -132,13 +139,15 @@ def choose_shard_dim(
     if dim0 is None:
         return 0, None, None
     failures = [dim0]
-    for dim in SHARD_DIM_CANDIDATES[1:]:
+    for dim in SHARD_DIM_CANDIDATES[1:] if input_dim_sharding else ():
         if dim >= len(shape):
             continue
         reason = check_shard_legality(fqn, shape, kind, world_size, format, dim)
         if reason is None:
             return dim, dim0, f"{dim0}; Shard({dim}) is legal"
         failures.append(reason.partition(f"over world size {world_size}: ")[2])
+    if not input_dim_sharding:
+        failures.append("fsdp_config.input_dim_sharding is false")
     return None, dim0, "; ".join(failures)
 
 
@@ -171,9 +180,11 @@ class WeightPlacement:
         return "replicated" if self.shard_dim is None else f"Shard({self.shard_dim})"
 
 
-def _placement(fqn: str, shape: tuple[int, ...], kind: WeightKind | str, world_size: int, fmt: Any) -> WeightPlacement:
+def _placement(
+    fqn: str, shape: tuple[int, ...], kind: WeightKind | str, world_size: int, fmt: Any, input_dim_sharding: bool
+) -> WeightPlacement:
     kind = WeightKind.parse(kind)
-    dim, dim0, reason = choose_shard_dim(fqn, shape, kind, world_size, fmt)
+    dim, dim0, reason = choose_shard_dim(fqn, shape, kind, world_size, fmt, input_dim_sharding=input_dim_sharding)
     return WeightPlacement(fqn, fqn.rpartition(".")[0], shape, kind.value, dim, dim0, reason)
 
 
@@ -246,7 +257,7 @@ class LowPrecisionShardingPlan:
 
 
 def plan_low_precision_sharding(
-    module: nn.Module, world_size: int, *, fallback_to_unsharded: bool
+    module: nn.Module, world_size: int, *, fallback_to_unsharded: bool, input_dim_sharding: bool = True
 ) -> LowPrecisionShardingPlan:
     """Place every low-precision weight of ``module`` (module docstring "Placements"), before ``fully_shard``.
 
@@ -254,6 +265,7 @@ def plan_low_precision_sharding(
         module: The model after :func:`~lp_lightning.integration.weights.finalize_low_precision_weights`.
         world_size: FSDP shard-group size (the ``dp_shard`` mesh size).
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``.
+        input_dim_sharding: ``fsdp_config.input_dim_sharding`` (``False``: dim 0 only).
 
     Returns:
         The :class:`LowPrecisionShardingPlan`.
@@ -269,7 +281,7 @@ def plan_low_precision_sharding(
     for fqn, param in iter_low_precision_weights(module):
         if not isinstance(param, QuantizedWeightTensor):
             raise TypeError(f"{fqn}: already sharded; plan low-precision sharding before fully_shard.")
-        placements.append(_placement(fqn, tuple(param.shape), param.kind, world_size, param.format))
+        placements.append(_placement(fqn, tuple(param.shape), param.kind, world_size, param.format, input_dim_sharding))
     return _sharding_plan(placements, world_size, fallback_to_unsharded)
 
 
@@ -312,7 +324,7 @@ def illegal_shards_error(violations: Iterable[ReplicatedWeight], world_size: int
 
 
 def planned_placements(
-    module: nn.Module, world_size: int, format: FormatSpec | str
+    module: nn.Module, world_size: int, format: FormatSpec | str, *, input_dim_sharding: bool = True
 ) -> tuple[WeightPlacement, ...]:
     """The placement of every weight a replacement plan made low precision, before finalize.
 
@@ -326,6 +338,7 @@ def planned_placements(
         module: A model (any device, meta included) after ``plan.apply``; not finalized.
         world_size: FSDP shard-group size.
         format: The run's format (``FormatSpec`` or registered name).
+        input_dim_sharding: ``fsdp_config.input_dim_sharding`` (``False``: dim 0 only).
 
     Returns:
         One :class:`WeightPlacement` per low-precision weight, in module order (before the
@@ -338,30 +351,36 @@ def planned_placements(
     placements: list[WeightPlacement] = []
     for module_fqn, _, kind, params in declared_low_precision_params(module):
         for fqn, param in params:
-            p = _placement(fqn, tuple(param.shape), kind, world_size, format)
+            p = _placement(fqn, tuple(param.shape), kind, world_size, format, input_dim_sharding)
             placements.append(WeightPlacement(p.fqn, module_fqn, p.shape, p.kind, p.shard_dim, p.dim0_violation, p.reason))
     return tuple(placements)
 
 
 def planned_sharding(
-    module: nn.Module, world_size: int, format: FormatSpec | str, *, fallback_to_unsharded: bool
+    module: nn.Module,
+    world_size: int,
+    format: FormatSpec | str,
+    *,
+    fallback_to_unsharded: bool,
+    input_dim_sharding: bool = True,
 ) -> LowPrecisionShardingPlan:
     """:func:`plan_low_precision_sharding` on a meta twin after ``plan.apply`` (see :func:`planned_placements`).
 
     Raises:
         ValueError: as :func:`plan_low_precision_sharding`.
     """
-    return _sharding_plan(list(planned_placements(module, world_size, format)), world_size, fallback_to_unsharded)
+    placements = planned_placements(module, world_size, format, input_dim_sharding=input_dim_sharding)
+    return _sharding_plan(list(placements), world_size, fallback_to_unsharded)
 
 
 def planned_shard_violations(
-    module: nn.Module, world_size: int, format: FormatSpec | str
+    module: nn.Module, world_size: int, format: FormatSpec | str, *, input_dim_sharding: bool = True
 ) -> tuple[ReplicatedWeight, ...]:
     """The weights of :func:`planned_placements` that no dim can shard (``ReplicatedWeight``: FQN,
     owning module, shape, the rules that fail); ``()`` when every weight shards legally."""
     return tuple(
         ReplicatedWeight(p.fqn, p.module_fqn, p.shape, str(p.reason))
-        for p in planned_placements(module, world_size, format)
+        for p in planned_placements(module, world_size, format, input_dim_sharding=input_dim_sharding)
         if p.shard_dim is None
     )
 

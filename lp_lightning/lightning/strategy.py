@@ -10,7 +10,7 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
 * :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of design spec §12.1: the
   precision plugin's ``configure_sharding`` and ``convert_module`` (replacement plan compiled on a
   meta twin and applied, low-precision weights finalized with FP32 masters) -> FP32 upcast (master
-  shards) -> MXFP8 shard-legality check (``fsdp_config.fallback_to_unsharded``) -> ``fully_shard``
+  shards) -> placements (Shard(0), Shard(1) or ``fsdp_config.fallback_to_unsharded``) -> ``fully_shard``
   (replicated fallback modules, FP32 routers, decoder layers, root) -> one refresh of the
   low-precision shards -> activation checkpointing -> (then Lightning creates the optimizer).
   Lightning's parent ``setup`` would call ``convert_module`` *after* the model is built and
@@ -172,8 +172,8 @@ class _FSDP2Common:
             listed = "\n  ".join(reason for _, reason in replicated[:8])
             more = f"\n  ... and {len(replicated) - 8} more" if len(replicated) > 8 else ""
             rank_zero_warn(
-                f"fsdp_config.fallback_to_unsharded: {len(replicated)} low-precision weight(s) break the "
-                f"MXFP8 shard rule over {record.mesh_shape[0]} ranks and stay replicated (full 8-bit copy "
+                f"fsdp_config.fallback_to_unsharded: {len(replicated)} low-precision weight(s) cannot be "
+                f"sharded along any dim over {record.mesh_shape[0]} ranks and stay replicated (full 8-bit copy "
                 f"on every rank, gradients all-reduced; their GEMMs stay low precision):\n  {listed}{more}\n"
                 f"The full list is in run_summary.json under sharding.replicated_low_precision."
             )
@@ -255,9 +255,9 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         Raises:
             TypeError: ``configure_model`` is not overridden, or the LightningModule does not
                 hold a HF causal LM at ``.model``.
-            ValueError: The model still has meta parameters, or a low-precision weight breaks the
-                MXFP8 shard rule with ``fsdp_config.fallback_to_unsharded=false`` (the message
-                names the FQN, shape, world size and rule).
+            ValueError: The model still has meta parameters, or a low-precision weight no dim can
+                shard under its format's rule with ``fsdp_config.fallback_to_unsharded=false`` (the
+                message names the FQN, shape, world size and rules).
         """
         assert self.model is not None
         assert self.accelerator is not None
@@ -286,6 +286,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
                 activation_checkpoint=activation_checkpoint,
                 convert_module=plugin.convert_module,
                 fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
+                input_dim_sharding=self.fsdp_config.input_dim_sharding,
             )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
@@ -440,6 +441,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             activation_checkpoint=self.activation_checkpoint,
             convert_module=None,  # Fabric already ran precision.convert_module
             fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
+            input_dim_sharding=self.fsdp_config.input_dim_sharding,
         )
         assert parallel_lm is causal_lm
         self._record_parallelization(record)

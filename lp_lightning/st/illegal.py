@@ -41,7 +41,7 @@ in ``tests/lightning/test_startup_gate.py``.
 The child (:mod:`lp_lightning.st.illegal_child`) is ``python -m lp_lightning.st.illegal <case-id> <workdir>``
 (files under ``<workdir>/<case-id>``). By default :func:`run_illegal_cases` runs the same child code
 in processes forked from a ``multiprocessing`` forkserver that imported torch, Lightning and
-lp_lightning once: a case then costs about 1 s instead of the ~9 s of the imports (all 31 cases:
+lp_lightning once: a case then costs about 1 s instead of the ~9 s of the imports (all 32 cases:
 20-35 s on 2 busy cores, against ~7 min spawning ``python -m`` per case).
 """
 
@@ -209,8 +209,16 @@ ILLEGAL_CASES: tuple[IllegalCase, ...] = (
     _cli("comm-fusion", _FUSION, _STARTUP, "parse", "FSDP communication fusion", ["--fsdp_config.comm_fusion", "true"],
          ["fsdp_config.comm_fusion=true is not supported", "set `comm_fusion: false`"]),
     _cli("shard-illegal-no-fallback", _SHARD, "sharding (startup)", "launch",
-         "dsv3-16b MXFP8 over 8 ranks with fsdp_config.fallback_to_unsharded false (84 weights break the rule)",
-         [*_16B, "--fsdp_config.fallback_to_unsharded", "false", *_NO_NPU],
+         "MXFP8 over 2 ranks, hidden 192: kv_a_proj_with_mqa [96, 192] has no legal shard dim (48 rows, 96 columns "
+         "per rank), fsdp_config.fallback_to_unsharded false",
+         ["--precision", "mxfp8", "--trainer.devices", "2", "--model.validate_spec", "false",
+          "--model.config_overrides", '{"kv_lora_rank": 64, "hidden_size": 192}', *_NO_NPU],
+         ["3 low-precision weight(s) cannot be sharded over 2 ranks along any dim", "fsdp_config.fallback_to_unsharded",
+          "model.layers.0.self_attn.kv_a_proj_with_mqa.weight: shape (96, 192)", "rows per rank [48, 48]",
+          "K_local % 64 == 0 fails: K_local = 96"]),
+    _cli("shard-16b-no-input-dim", _SHARD, "sharding (startup)", "launch",
+         "dsv3-16b MXFP8 over 8 ranks with fsdp_config.input_dim_sharding false (84 weights break the dim-0 rule)",
+         [*_16B, "--fsdp_config.input_dim_sharding", "false", *_NO_NPU],
          ["84 low-precision weight(s) cannot be sharded over 8 ranks", "fsdp_config.fallback_to_unsharded",
           "model.layers.0.self_attn.kv_a_proj_with_mqa.weight: shape (3136, 2048)", "rows per rank [392,"]),
     _script("optimizer-sgd-trainer", _OPTIMIZER, "optimizer construction", "optimizer_construction",

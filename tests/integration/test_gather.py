@@ -21,6 +21,7 @@ from torch import nn
 
 from lp_lightning.integration.sharding import (
     check_shard_legality,
+    choose_shard_dim,
     gather_policy_for,
     plan_low_precision_sharding,
     set_gather_policy,
@@ -168,6 +169,75 @@ def test_gathered_mxfp8_weight_equals_quantize_dual_of_the_full_master(policy, k
         assert inner[: len(gathered)] == gathered  # FSDP2 frees/re-allocates the gather buffers
 
 
+def _fsdp_dim1_shards(weight: QuantizedWeightTensor, world_size: int) -> list[QuantizedWeightTensor]:
+    """Carve Shard(1) shards the way ``FSDPParam._init_sharded_param`` does (even chunks along dim 1)."""
+    chunks = torch.chunk(weight, world_size, dim=1)
+    shards = []
+    for chunk in chunks:
+        padded = weight.new_zeros(chunk.shape)
+        padded.narrow(1, 0, chunk.shape[1]).copy_(chunk)
+        shards.append(padded.narrow(1, 0, chunk.shape[1]))
+    return shards
+
+
+def _simulate_dim1(full: torch.Tensor, world_size: int, *, policy=SINGLE, phase="forward"):
+    """Shard(1): pre on every rank, FSDP2's all-gather + chunk-cat along dim 1, post on rank 0."""
+    weight = QuantizedWeightTensor.from_master(full.clone(), recipe="mxfp8_e4m3", kind="dense", fqn="w", gather_policy=policy)
+    shards = _fsdp_dim1_shards(weight, world_size)
+    for shard in shards:
+        shard.refresh_from_master()
+    pres = []
+    for rank, shard in enumerate(shards):
+        call = functools.partial(shard.fsdp_pre_all_gather, _FakeMesh(world_size, rank), full.shape, full.stride(), None, None)
+        pres.append(_in_backward(call) if phase == "backward" else call())
+    slots0, metadata = pres[0]
+    gathered = []
+    for i, slot in enumerate(slots0):  # torch.cat(chunks, dim=1) of the W shard-shaped inputs, viewed as FSDP2 hands it
+        assert all(pre[0][i].shape == slot.shape for pre in pres)
+        cat = torch.cat([pre[0][i] for pre in pres], dim=1)
+        gathered.append(cat.reshape(-1).view(-1, *slot.shape[1:]))
+    out, inner = shards[0].fsdp_post_all_gather(tuple(gathered), metadata, torch.float32)
+    return weight, shards, pres, tuple(gathered), out, inner
+
+
+@pytest.mark.parametrize("policy", [SINGLE, BOTH])
+@pytest.mark.parametrize(("shape", "world"), [((96, 128), 2), ((40, 256), 4), ((3136 // 32, 512), 8)])
+def test_input_dim_shards_gather_bit_identical_to_quantising_the_full_master(policy, shape, world):
+    full = torch.randn(shape) * torch.logspace(-3, 3, shape[1])  # scales differ per block in both orientations
+    reference = QuantizedWeightTensor.from_master(full.clone(), recipe="mxfp8_e4m3", kind="dense").low_precision_storage
+    layout = gather_layout("mxfp8_e4m3", "dense", shape, world, policy, shard_dim=1)
+    local = (shape[0], shape[1] // world)
+    assert {slot_shape for _, slot_shape in layout.slots} == {local}  # FSDP2's Shard(1) copy-out needs shard shape
+    assert len(layout.slots) == (2 if policy is SINGLE else 3)  # data (x1 or x2) + one packed scale slot
+    for phase, carried in (("forward", ("row",)), ("backward", ("col",))):
+        *_, out, _ = _simulate_dim1(full, world, policy=policy, phase=phase)
+        carried = ("row", "col") if policy is BOTH else carried
+        assert out.orientations == carried and tuple(out.shape) == shape
+        for orientation in carried:
+            op = out.select(orientation)
+            assert torch.equal(_bits(op.data), _bits(reference[f"{orientation}_data"])), (phase, orientation)
+            assert torch.equal(_bits(op.scale), _bits(reference[f"{orientation}_scale"])), (phase, orientation)
+
+
+def test_input_dim_shard_rules():
+    assert check_shard_legality("w", (96, 128), "dense", 2, "mxfp8_e4m3", dim=1) is None  # 64 columns per rank
+    assert "K_local % 64 == 0 fails: K_local = 32" in check_shard_legality("w", (96, 64), "dense", 2, "mxfp8_e4m3", dim=1)
+    assert "K % W == 0" in check_shard_legality("w", (96, 129), "dense", 2, "mxfp8_e4m3", dim=1)
+    assert "shard along dim 0 only" in check_shard_legality("e", (4, 48, 128), "grouped", 2, "mxfp8_e4m3", dim=1)
+    assert "only along dim 0" in check_shard_legality("h", (96, 128), "dense", 2, "hif8", dim=1)
+    assert check_shard_legality("w", (96, 64), "dense", 1, "mxfp8_e4m3", dim=1) is None  # one rank: no boundary
+    assert choose_shard_dim("w", (128, 128), "dense", 2, "mxfp8_e4m3") == (0, None, None)
+    dim, dim0, reason = choose_shard_dim("w", (96, 128), "dense", 2, "mxfp8_e4m3")
+    assert dim == 1 and "rows per rank [48, 48]" in dim0 and reason.endswith("Shard(1) is legal")
+    dim, dim0, reason = choose_shard_dim("w", (96, 64), "dense", 2, "mxfp8_e4m3")
+    assert dim is None and "M_local % 64" in reason and "K_local = 32" in reason
+    dim, _, reason = choose_shard_dim("w", (96, 128), "dense", 2, "mxfp8_e4m3", input_dim_sharding=False)
+    assert dim is None and reason.endswith("fsdp_config.input_dim_sharding is false")
+    assert choose_shard_dim("e", (4, 48, 32), "grouped", 2, "mxfp8_e4m3")[0] is None  # grouped: dim 0 only
+    with pytest.raises(ValueError, match=r"as Shard\(1\) over 2 ranks: MXFP8 Shard\(1\) rule"):
+        gather_layout("mxfp8_e4m3", "dense", (96, 64), 2, SINGLE, shard_dim=1)
+
+
 def test_mxfp8_data_is_a_view_into_the_all_gather_output():
     *_, gathered, out, inner = _simulate(torch.randn(128, 96), "mxfp8_e4m3", "dense", 2)
     op = out.select("row")
@@ -299,7 +369,7 @@ def test_pre_hook_errors():
     with pytest.raises(ValueError, match="never built"):
         shard.fsdp_pre_all_gather(_FakeMesh(2, 0), weight.shape, weight.stride(), None, None)
     shard.refresh_from_master()
-    with pytest.raises(ValueError, match="only support FSDP2 Shard"):
+    with pytest.raises(ValueError, match=r"is not the Shard\(0\) shard \(64, 32\) of \(128, 32\)"):
         shard.fsdp_pre_all_gather(_FakeMesh(2, 0), torch.Size([128, 32]), (32, 1), None, None)
     illegal = _fsdp_shards(QuantizedWeightTensor.from_master(torch.randn(96, 64), recipe="mxfp8_e4m3", kind="dense"), 2)[0]
     illegal.refresh_from_master()

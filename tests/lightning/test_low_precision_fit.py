@@ -76,8 +76,12 @@ def runs(tmp_path_factory, token_cache_dir):
     cache: dict[str, dict] = {}
     dump = ["--trainer.callbacks+=_probes.StateDump", f"--trainer.callbacks.out_dir={base / 'dump'}"]
     two = ["--trainer.devices", "2"]
-    # kv_lora_rank 64: kv_a_proj_with_mqa is [64 + 32, 256], 48 rows per rank: breaks the MXFP8 rule.
-    illegal = ["--model.validate_spec", "false", "--model.config_overrides", '{"kv_lora_rank": 64}']
+    # kv_lora_rank 64: kv_a_proj_with_mqa is [64 + 32, 256], 48 rows per rank: breaks the MXFP8 dim-0 rule, but
+    # 128 columns per rank are legal: it is sharded along its input dim (Shard(1)).
+    input_dim = ["--model.validate_spec", "false", "--model.config_overrides", '{"kv_lora_rank": 64}',
+                 "--trainer.max_steps", "4", "--model.lr_decay_steps", "4", "--trainer.val_check_interval", "4"]
+    # hidden 192 as well: kv_a_proj_with_mqa [96, 192] has 48 rows and 96 columns per rank: no legal dim.
+    illegal = ["--model.validate_spec", "false", "--model.config_overrides", '{"kv_lora_rank": 64, "hidden_size": 192}']
 
     def sharding(root: Path) -> list[str]:
         return ["--trainer.callbacks+=_probes.ShardingProbe", f"--trainer.callbacks.out_dir={root / 'probe'}"]
@@ -106,6 +110,17 @@ def runs(tmp_path_factory, token_cache_dir):
             elif name == "mxfp8_2proc_fallback":
                 cache[name] = _run(root, token_cache_dir, "mxfp8", *two, *illegal, *sharding(root),
                                    "--fsdp_config.fallback_to_unsharded", "true", "--trainer.max_steps", "2")
+            elif name == "mxfp8_input_dim":  # the same model on one process (no shard boundary)
+                cache[name] = _run(root, token_cache_dir, "mxfp8", *input_dim)
+            elif name == "mxfp8_2proc_input_dim":
+                cache[name] = _run(root, token_cache_dir, "mxfp8", *two, *input_dim, *sharding(root))
+            elif name == "mxfp8_2proc_input_dim_resumed":
+                ckpt = Path(get("mxfp8_2proc_input_dim")["root"]) / "checkpoints" / "step-000003"
+                cache[name] = _run(root, token_cache_dir, "mxfp8", *two, *input_dim, "--ckpt_path", str(ckpt))
+            elif name == "mxfp8_2proc_input_dim_replicated":  # the pre-placement behaviour, for comparison
+                cache[name] = _run(root, token_cache_dir, "mxfp8", *two, *input_dim,
+                                   "--fsdp_config.input_dim_sharding", "false",
+                                   "--fsdp_config.fallback_to_unsharded", "true")
             elif name == "bf16_from_hif8":
                 ckpt = Path(get("hif8_from_mxfp8")["root"]) / "checkpoints" / "step-000004"
                 cache[name] = _run(root, token_cache_dir, "bf16", "--ckpt_path", str(ckpt), "--trainer.max_steps", "5")
@@ -337,10 +352,72 @@ def test_illegal_mxfp8_shard_fails_at_startup_naming_fqn_shape_world_size_and_ru
     result = runs("mxfp8_2proc_illegal")
     err = result["stderr"]
     assert result["returncode"] == 2 and "Traceback" not in err
-    assert err.count("3 low-precision weight(s) cannot be sharded over 2 ranks") == 1
-    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight: shape (96, 256) over world size 2" in err
-    assert "M_local % 64 == 0 fails: rows per rank [48, 48]" in err
+    assert err.count("3 low-precision weight(s) cannot be sharded over 2 ranks along any dim") == 1
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight: shape (96, 192) over world size 2" in err
+    assert "M_local % 64 == 0 fails: rows per rank [48, 48]" in err and "K_local = 96" in err
     assert "fallback_to_unsharded: true" in err
+
+
+KV_A = {f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(3)}
+
+
+def test_input_dim_shards_train_without_replicas(runs):
+    """Acceptance (issue 12): weights that break the dim-0 rule train in MXFP8 with fallback_to_unsharded false,
+    sharded along their input dim, gathered as 8-bit bytes, with no high-precision GEMM."""
+    summary = runs("mxfp8_2proc_input_dim")
+    assert summary["steps"] == 4 and summary["world_size"] == 2
+    assert set(summary["sharding"]["input_dim_sharded"]) == KV_A
+    assert summary["sharding"]["replicated_low_precision"] == []
+    kernels = summary["kernels"]
+    assert all(kernels[role] > 0 for role in GEMM_ROLE_KEYS)
+    assert kernels["high_precision_gemms_in_replaced_modules"] == 0, kernels["high_precision_gemm_examples"]
+    assert summary["refresh"]["per_step"] == [LOW_PRECISION_WEIGHTS] * 4
+    wire = summary["wire"]
+    assert wire["high_precision_gathers_of_replaced"] == 0 and wire["low_precision_weights_gathered_locally"] == 0
+    root = Path(summary["root"])
+    for rank in (0, 1):
+        facts = json.loads((root / "probe" / f"probe_rank{rank}.json").read_text())
+        for name, p in facts["params"].items():
+            if name in KV_A:
+                assert p["placements"] == ["Shard(dim=1)"] and p["local_shape"] == [96, 128], name
+            else:
+                assert p["placements"] == ["Shard(dim=0)"] and p["mesh_dim_names"] == ["dp_shard"], name
+        trace = json.loads((root / f"wire_trace_rank{rank}.json").read_text())
+        for event in (e for e in trace["events"] if e["kind"] == "weight_gather" and e["fqn"] in KV_A):
+            # 8-bit data [96, 128] + the scales packed in one slot of the shard's shape (docs/architecture.md)
+            assert event["tensors"] == [["uint8", [96, 128]], ["uint8", [96, 128]]], event
+
+
+def test_input_dim_shards_match_one_process_and_resume_bitwise(runs):
+    one, two = runs("mxfp8_input_dim"), runs("mxfp8_2proc_input_dim")
+    loss1, norm1, loss2, norm2, later = RTOL["mxfp8"]  # the documented 2-process tolerance of this model
+    assert two["losses"][0] == pytest.approx(one["losses"][0], rel=loss1, abs=0)
+    assert two["grad_norms"][0] == pytest.approx(one["grad_norms"][0], rel=norm1, abs=0)
+    assert two["losses"][1] == pytest.approx(one["losses"][1], rel=loss2, abs=0)
+    assert two["losses"][2:] == pytest.approx(one["losses"][2:], rel=later, abs=0)
+    resumed = runs("mxfp8_2proc_input_dim_resumed")
+    assert resumed["first_step"] == 3 and resumed["losses"] == two["losses"][3:]
+    assert resumed["grad_norms"] == two["grad_norms"][3:]
+
+
+def test_input_dim_shards_against_the_replicated_fallback(runs):
+    """The same model with input_dim_sharding false replicates the 3 weights (HSDP, gradients all-reduced)."""
+    sharded, replicated = runs("mxfp8_2proc_input_dim"), runs("mxfp8_2proc_input_dim_replicated")
+    assert {w["fqn"] for w in replicated["sharding"]["replicated_low_precision"]} == KV_A
+    assert replicated["losses"][0] == pytest.approx(sharded["losses"][0], rel=1e-6, abs=0)
+    per_gather = {}
+    for name, summary in (("sharded", sharded), ("replicated", replicated)):
+        trace = json.loads((Path(summary["root"]) / "wire_trace_rank0.json").read_text())
+        sizes = {e["bytes"] for e in trace["events"] if e.get("fqn") in KV_A and e["kind"].startswith("weight_gather")}
+        (per_gather[name],) = sizes
+    # Bytes each rank puts into one gather of a kv_a_proj weight: its Shard(1) slots (2 x 96 x 128) against the
+    # replicated copy FSDP2 makes locally of the whole 8-bit weight + scales (96 x 256 + 96 x 8).
+    assert per_gather == {"sharded": 2 * 96 * 128, "replicated": 96 * 256 + 96 * 256 // 32}
+    # On the network: the replicated weights all-reduce their FP32 gradients (4 bytes/element, twice on a ring);
+    # the sharded ones gather 2 x 2 bytes/element and reduce-scatter 4: the same ring traffic, 1/W of the state.
+    kv_elements = 3 * 96 * 256
+    assert replicated["wire"]["all_reduce_bytes"]["float32"] - sharded["wire"]["all_reduce_bytes"].get("float32", 0) \
+        == pytest.approx(4 * kv_elements, rel=0.01)
 
 
 def test_fallback_keeps_illegal_weights_replicated_and_low_precision(runs):
@@ -354,7 +431,8 @@ def test_fallback_keeps_illegal_weights_replicated_and_low_precision(runs):
     assert summary["wire"]["high_precision_gathers_of_replaced"] == 0
     replicated = {f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(3)}
     assert {w["fqn"] for w in summary["sharding"]["replicated_low_precision"]} == replicated
-    assert "3 low-precision weight(s) break the MXFP8 shard rule over 2 ranks and stay replicated" in summary["stderr"]
+    assert "3 low-precision weight(s) cannot be sharded along any dim over 2 ranks and stay replicated" in summary["stderr"]
+    assert len(summary["sharding"]["input_dim_sharded"]) == 6  # hidden 192: o_proj / down_proj take Shard(1)
     assert "returned a view tensor" not in summary["stderr"]  # the replicated modules' outputs are not views
     wire = summary["wire"]
     assert wire["low_precision_weights_gathered"] == LOW_PRECISION_WEIGHTS
@@ -372,6 +450,6 @@ def test_fallback_keeps_illegal_weights_replicated_and_low_precision(runs):
         assert {fqn for fqn, _ in facts["parallelization"]["replicated_low_precision"]} == replicated
         for name, p in facts["params"].items():
             if name in replicated:  # HSDP (W, 1): full copy on every rank, gradients all-reduced
-                assert p["mesh_dim_names"] == ["dp_replicate", "dp_shard"] and p["local_shape"] == [96, 256], name
+                assert p["mesh_dim_names"] == ["dp_replicate", "dp_shard"] and p["local_shape"] == [96, 192], name
             else:
                 assert p["mesh_dim_names"] == ["dp_shard"], name
