@@ -57,7 +57,7 @@ import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -167,6 +167,12 @@ class _FSDP2Common:
         if "refresh_low_precision" in record.steps:
             self.low_precision_plugin.note_startup_refresh()  # type: ignore[attr-defined]
         self.parallelization = record
+        if record.input_dim_sharded:
+            rank_zero_info(
+                f"{len(record.input_dim_sharded)} low-precision weight(s) break their format's dim-0 shard rule over "
+                f"{record.mesh_shape[0]} ranks and are sharded along their input dim (Shard(1); "
+                "run_summary.json sharding.input_dim_sharded, docs/architecture.md \"Placements\")."
+            )
         replicated = record.replicated_low_precision
         if replicated:
             listed = "\n  ".join(reason for _, reason in replicated[:8])
