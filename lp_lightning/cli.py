@@ -441,6 +441,7 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
 
     Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent), that
+    ``data.sources`` resolve and ``data.tokenizer`` loads, that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
@@ -479,6 +480,7 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
                 "is not a DCP checkpoint folder (design spec §11, §15: only DCP checkpoints are read)"
             )
             raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
+    _check_data_launch(section["data"])
     world_size = _world_size(trainer)
     if world_size is not None:  # what the strategy checks on each rank once the process group exists
         FSDP2Config(**section["fsdp_config"].as_dict()).resolve_dp_shard_size(world_size)
@@ -488,6 +490,31 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
         check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
     if section["precision"] != "bf16":
         _check_low_precision_launch(section, plan_rules, world_size)
+
+
+def _check_data_launch(data: Namespace) -> None:
+    """The corpus sources resolve to readable files and the tokenizer loads, before any process starts.
+
+    Otherwise every rank fails in ``prepare_data``/``setup`` after the process group exists. Cheap:
+    the sources are listed and stat-ed (not read) and the tokenizer folder is loaded once.
+
+    Raises:
+        ValueError, TypeError: from :func:`~lp_lightning.data.corpus.resolve_corpus` /
+            :func:`~lp_lightning.data.tokenizer.load_tokenizer`, prefixed with the ``data.*`` key.
+    """
+    from lp_lightning.data.corpus import resolve_corpus
+    from lp_lightning.data.tokenizer import load_tokenizer
+
+    sources = data.get("sources")
+    try:
+        resolve_corpus(list(sources) if sources else None, max_bytes=data.get("max_corpus_bytes"))
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"data.sources: {err}") from None
+    tokenizer = data.get("tokenizer") or "byte"
+    try:
+        load_tokenizer(tokenizer)
+    except (ValueError, TypeError, OSError) as err:
+        raise ValueError(f"data.tokenizer={tokenizer!r}: {err}") from None
 
 
 def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
