@@ -410,6 +410,20 @@ def _world_size(trainer: Namespace) -> int | None:
     return None
 
 
+class NothingToDo(Exception):
+    """``ckpt_path: last`` names a checkpoint at or past ``trainer.max_steps``: the run is complete.
+
+    ``main`` prints it and returns 0, so a job script that passes ``last`` on every restart ends
+    cleanly after the last one.
+    """
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The optimizer step of a ``step-NNNNNN`` checkpoint folder (its name; ``None`` if not that form)."""
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
 def _latest_checkpoint(folder: Path) -> Path | None:
     """The most recently written complete ``step-NNNNNN`` folder under ``folder``.
 
@@ -470,6 +484,14 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
                     f"starting from step 0.",
                     file=sys.stderr,
                 )
+            else:
+                step, max_steps = _checkpoint_step(latest), trainer.get("max_steps")
+                if step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
+                    raise NothingToDo(
+                        f"ckpt_path=last: the newest checkpoint {str(latest)!r} is at step {step} and "
+                        f"trainer.max_steps={max_steps}: the run is complete, nothing to do. Raise "
+                        "--trainer.max_steps to train on."
+                    )
             section["ckpt_path"] = None if latest is None else str(latest)
         elif not is_dcp_checkpoint(ckpt_path):
             hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
@@ -595,6 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return st_main(args[1:])
     try:
         LPLightningCLI(args=None if argv is None else args)
+    except NothingToDo as done:
+        if _is_rank_zero():
+            print(f"lp-lightning: {done}", file=sys.stderr)
+        return 0
     except RuntimeError as err:
         gate_error = sys.modules.get("lp_lightning.ops.gate")  # imported by the gate itself (bf16: never)
         if gate_error is None or not isinstance(err, gate_error.StartupGateError):
