@@ -595,6 +595,29 @@ def parse_config(args: Sequence[str] = ()) -> Namespace:
     return _ParseOnlyCLI(args=list(args), run=False).config
 
 
+_COLLECTIVE_FAILURE_MARKERS = (
+    "gloo/transport",  # gloo: "Read error ... Connection reset by peer", "Connection closed by peer"
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "NCCL error",
+    "HCCL",
+)
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a failed collective (a peer process died, the connection dropped)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return any(marker in str(err) for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``lp-lightning``.
 
@@ -622,6 +645,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lp-lightning: {done}", file=sys.stderr)
         return 0
     except RuntimeError as err:
+        if _collective_failure(err):  # a peer died or the network dropped: one line per surviving rank
+            print(
+                f"lp-lightning: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))}: a collective failed "
+                f"— another rank stopped or the connection dropped ({_first_line(err)}). Fix the cause, then rerun "
+                "the same command with --ckpt_path last (the newest complete checkpoint).",
+                file=sys.stderr,
+            )
+            return 1
         gate_error = sys.modules.get("lp_lightning.ops.gate")  # imported by the gate itself (bf16: never)
         if gate_error is None or not isinstance(err, gate_error.StartupGateError):
             raise
