@@ -414,6 +414,20 @@ def _world_size(trainer: Namespace) -> int | None:
     return None
 
 
+class NothingToDo(Exception):
+    """``ckpt_path: last`` names a checkpoint at or past ``trainer.max_steps``: the run is complete.
+
+    ``main`` prints it and returns 0, so a job script that passes ``last`` on every restart ends
+    cleanly after the last one.
+    """
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The optimizer step of a ``step-NNNNNN`` checkpoint folder (its name; ``None`` if not that form)."""
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
 def _latest_checkpoint(folder: Path) -> Path | None:
     """The most recently written complete ``step-NNNNNN`` folder under ``folder``.
 
@@ -445,6 +459,7 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
 
     Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent), that
+    ``data.sources`` resolve and ``data.tokenizer`` loads, that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
@@ -473,6 +488,14 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
                     f"starting from step 0.",
                     file=sys.stderr,
                 )
+            else:
+                step, max_steps = _checkpoint_step(latest), trainer.get("max_steps")
+                if step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
+                    raise NothingToDo(
+                        f"ckpt_path=last: the newest checkpoint {str(latest)!r} is at step {step} and "
+                        f"trainer.max_steps={max_steps}: the run is complete, nothing to do. Raise "
+                        "--trainer.max_steps to train on."
+                    )
             section["ckpt_path"] = None if latest is None else str(latest)
         elif not is_dcp_checkpoint(ckpt_path):
             hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
@@ -483,6 +506,7 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
                 "is not a DCP checkpoint folder (design spec §11, §15: only DCP checkpoints are read)"
             )
             raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
+    _check_data_launch(section["data"])
     world_size = _world_size(trainer)
     if world_size is not None:  # what the strategy checks on each rank once the process group exists
         FSDP2Config(**section["fsdp_config"].as_dict()).resolve_dp_shard_size(world_size)
@@ -492,6 +516,31 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
         check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
     if section["precision"] != "bf16":
         _check_low_precision_launch(section, plan_rules, world_size)
+
+
+def _check_data_launch(data: Namespace) -> None:
+    """The corpus sources resolve to readable files and the tokenizer loads, before any process starts.
+
+    Otherwise every rank fails in ``prepare_data``/``setup`` after the process group exists. Cheap:
+    the sources are listed and stat-ed (not read) and the tokenizer folder is loaded once.
+
+    Raises:
+        ValueError, TypeError: from :func:`~lp_lightning.data.corpus.resolve_corpus` /
+            :func:`~lp_lightning.data.tokenizer.load_tokenizer`, prefixed with the ``data.*`` key.
+    """
+    from lp_lightning.data.corpus import resolve_corpus
+    from lp_lightning.data.tokenizer import load_tokenizer
+
+    sources = data.get("sources")
+    try:
+        resolve_corpus(list(sources) if sources else None, max_bytes=data.get("max_corpus_bytes"))
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"data.sources: {err}") from None
+    tokenizer = data.get("tokenizer") or "byte"
+    try:
+        load_tokenizer(tokenizer)
+    except (ValueError, TypeError, OSError) as err:
+        raise ValueError(f"data.tokenizer={tokenizer!r}: {err}") from None
 
 
 def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
@@ -585,6 +634,29 @@ def plan_settings(path: str) -> dict[str, Any]:
     return settings
 
 
+_COLLECTIVE_FAILURE_MARKERS = (
+    "gloo/transport",  # gloo: "Read error ... Connection reset by peer", "Connection closed by peer"
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "NCCL error",
+    "HCCL",
+)
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a failed collective (a peer process died, the connection dropped)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return any(marker in str(err) for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``lp-lightning``.
 
@@ -611,7 +683,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_main(args[1:], read_fit_config=plan_settings)
     try:
         LPLightningCLI(args=None if argv is None else args)
+    except NothingToDo as done:
+        if _is_rank_zero():
+            print(f"lp-lightning: {done}", file=sys.stderr)
+        return 0
     except RuntimeError as err:
+        if _collective_failure(err):  # a peer died or the network dropped: one line per surviving rank
+            print(
+                f"lp-lightning: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))}: a collective failed "
+                f"— another rank stopped or the connection dropped ({_first_line(err)}). Fix the cause, then rerun "
+                "the same command with --ckpt_path last (the newest complete checkpoint).",
+                file=sys.stderr,
+            )
+            return 1
         gate_error = sys.modules.get("lp_lightning.ops.gate")  # imported by the gate itself (bf16: never)
         if gate_error is None or not isinstance(err, gate_error.StartupGateError):
             raise

@@ -343,3 +343,17 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     assert fresh["ckpt_path"] is None
     assert "ckpt_path=last: no complete checkpoint" in capsys.readouterr().err
     assert no_model_build == []
+
+
+def test_ckpt_path_last_on_a_completed_run_exits_0_with_nothing_to_do(tmp_path, capsys, no_model_build):
+    """A job script passes `last` on every restart (README): after the final step it must end cleanly."""
+    _fake_checkpoint(tmp_path / "checkpoints" / "step-000020")
+    root = ["--trainer.default_root_dir", str(tmp_path)]
+    assert main(["fit", *root, "--trainer.max_steps", "20", "--ckpt_path", "last"]) == 0
+    err = capsys.readouterr().err
+    assert "is at step 20 and trainer.max_steps=20: the run is complete, nothing to do" in err
+    assert "Traceback" not in err and no_model_build == []
+    section = parse_config([*root, "--trainer.max_steps", "30"])
+    section["ckpt_path"] = "last"
+    _check_launch(section)  # more steps asked: resume
+    assert section["ckpt_path"].endswith("step-000020")

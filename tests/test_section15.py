@@ -399,6 +399,15 @@ def test_weights_no_dim_can_shard_fail_at_launch_with_both_rules(capsys, nothing
                       "64 == 0 fails: K_local = 96 (K = 192 over 2 ranks)") == 3
 
 
+def test_missing_data_source_or_tokenizer_fails_at_launch(capsys, nothing_instantiated, tmp_path):
+    """Before any process or process group exists (it used to fail on every rank in prepare_data)."""
+    missing = str(tmp_path / "nope.txt")
+    text = _fails_at_parse(capsys, nothing_instantiated, "--data.sources", f"[{missing}]", *NO_NPU)
+    assert text.startswith(f"data.sources: corpus source {missing!r} does not exist")
+    text = _fails_at_parse(capsys, nothing_instantiated, "--data.tokenizer", str(tmp_path / "tok"), *NO_NPU)
+    assert text.startswith(f"data.tokenizer={str(tmp_path / 'tok')!r}: load_tokenizer:") and "nothing is downloaded" in text
+
+
 def test_16b_mxfp8_passes_the_launch_check_with_input_dim_shards():
     _check_launch(parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), *NO_NPU]))
 

@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "QuantizedOperand": "lp_lightning.formats.operand",
     "Quantizer": "lp_lightning.formats.quantizer",
     "SQNR_FLOORS_DB": "lp_lightning.formats.recipe",
+    "StaleOperandError": "lp_lightning.formats.operand",
     "WeightKind": "lp_lightning.formats.spec",
     "compiled_kernels_enabled": "lp_lightning.formats._compile",
     "format_spec": "lp_lightning.formats.registry",

@@ -48,7 +48,25 @@ import torch
 from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, as_spec
 from lp_lightning.names import parse_enum
 
-__all__ = ["Orientation", "QuantizationRole", "QuantizedOperand"]
+__all__ = ["Orientation", "QuantizationRole", "QuantizedOperand", "StaleOperandError", "freed_storage"]
+
+
+class StaleOperandError(RuntimeError):
+    """A low-precision operand views memory that was freed: an FSDP2 all-gather buffer after reshard.
+
+    FSDP2 frees a gathered weight's buffers with ``untyped_storage().resize_(0)`` when the layer
+    reshards; a ``QuantizedOperand`` taken from that weight (``select``), or a tensor of a post
+    all-gather event, still points there. Reading it would read freed memory, so the GEMM entry
+    points and ``select`` raise this instead (issue 13, docs/architecture.md "The path of one weight").
+    """
+
+
+def freed_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (non-empty) views a storage too small for it — freed by ``resize_(0)``."""
+    if tensor.numel() == 0:
+        return False
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.untyped_storage().nbytes() < (tensor.storage_offset() + span) * tensor.element_size()
 
 
 class QuantizationRole(str, Enum):
@@ -162,6 +180,20 @@ class QuantizedOperand:
         expected = spec.scale_shape(shape, self.orientation, counts if grouped else None)
         if scale_shape != expected:
             raise ValueError(f"{who}: data {shape} needs scale shape {expected}, got {scale_shape}.")
+
+    def check_alive(self, who: str) -> None:
+        """Raise :class:`StaleOperandError` when ``data`` or ``scale`` views freed memory.
+
+        Args:
+            who: The caller, named in the message.
+        """
+        for name, tensor in (("data", self.data), ("scale", self.scale)):
+            if freed_storage(tensor):
+                raise StaleOperandError(
+                    f"{who}: the {self.format.label} operand's {name} {tuple(tensor.shape)} views a freed buffer "
+                    f"({tensor.untyped_storage().nbytes()} bytes left): FSDP2 resharded the weight it came from. Use "
+                    "select() inside the layer's forward/backward, or clone the operand's tensors before reshard."
+                )
 
     @property
     def shape(self) -> torch.Size:

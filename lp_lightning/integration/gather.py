@@ -560,7 +560,8 @@ class GatherEvent:
         phase: ``"forward"`` or ``"backward"``.
         orientations: Orientations carried.
         tensors: Pre: the ``uint8`` slots handed to FSDP2; post: the full-weight storage tensors
-            (views of the gathered buffers). Read them, never write.
+            (views of the gathered buffers). Read them inside the callback, never write: FSDP2
+            frees the buffers at reshard (``formats.operand.freed_storage`` tells).
         local: The shard group has one rank: FSDP2 copies instead of issuing a collective.
         stage: ``"pre_all_gather"`` or ``"post_all_gather"``.
         names: One name per tensor: the slot names of the :class:`GatherLayout` (pre), or the

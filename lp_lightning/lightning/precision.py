@@ -360,7 +360,16 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         adapter = adapter_for(module)
         causal_lm = adapter.causal_lm(module)
         if self.replacement_report is not None:
-            raise RuntimeError(f"{type(self).__name__}.convert_module ran twice; the model is already converted.")
+            if any(True for _ in lp_weight.iter_low_precision_weights(causal_lm)):
+                raise RuntimeError(
+                    f"{type(self).__name__}.convert_module ran twice on {type(causal_lm).__name__}: it is already "
+                    "converted; pass the converted model on, do not convert it again."
+                )
+            raise RuntimeError(
+                f"{type(self).__name__} already converted another model ({len(self.low_precision_weights)} "
+                f"low-precision weights); one plugin serves one model. Create a new plugin (Fabric) for this "
+                f"{type(causal_lm).__name__}."
+            )
         plan = self.compile_plan(adapter.build_meta_twin(causal_lm))
         report = plan.apply(causal_lm)
         sharded_later = self._gather_policy is not None

@@ -167,6 +167,8 @@ def _check_common(
                 f"got {type(operand).__name__}; high-precision tensors are never multiplied here."
             )
     assert isinstance(left, QuantizedOperand) and isinstance(right, QuantizedOperand)
+    left.check_alive(f"{who} (left)")
+    right.check_alive(f"{who} (right)")
     if layout not in _LAYOUTS:
         raise ValueError(f"{who}: layout={layout!r}; legal values: 'NN', 'NT', 'TN'.")
     if output_dtype not in _OUTPUT_DTYPES:

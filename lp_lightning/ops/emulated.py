@@ -49,10 +49,17 @@ def group_counts(group_list: torch.Tensor, tokens: int, who: str) -> list[int]:
         ValueError: naming the offending counts.
     """
     counts = [int(c) for c in group_list.tolist()]
-    if any(c < 0 for c in counts) or sum(counts) != tokens:
+    negative = [(g, c) for g, c in enumerate(counts) if c < 0]
+    if negative:
+        listed = ", ".join(f"group {g}: {c}" for g, c in negative[:8])
         raise ValueError(
-            f"{who}: group_list {counts} must hold non-negative row counts summing to the {tokens} "
-            f"token rows (sum is {sum(counts)})."
+            f"{who}: group_list holds negative row counts ({listed}); counts are rows per group, each >= 0, "
+            f"summing to the {tokens} token rows."
+        )
+    if sum(counts) != tokens:
+        raise ValueError(
+            f"{who}: group_list {counts[:16]}{' ...' if len(counts) > 16 else ''} sums to {sum(counts)} rows but "
+            f"the operand has {tokens} token rows; counts are rows per group (not cumulative ends)."
         )
     return counts
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand
+from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand, StaleOperandError, freed_storage
 from lp_lightning.formats.quantizer import Quantizer
 from lp_lightning.formats.recipe import LowPrecisionRecipe
 from lp_lightning.formats.spec import ORIENTATIONS, Orientation, WeightKind
@@ -268,6 +268,13 @@ class _LowPrecisionWeightBase(torch.Tensor):
             )
         data_name, scale_name = storage_names(self.format, orientation)
         format_max = getattr(weight_quantizer(self.recipe), "format_max", None) if self.format.uses_format_max else None
+        for name in (data_name, scale_name):
+            if freed_storage(self._storage_tensor(name)):
+                raise StaleOperandError(
+                    f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: its {name} views an "
+                    "all-gather buffer FSDP2 freed at reshard. Select inside the layer's forward/backward (where "
+                    "FSDP2 keeps the weight gathered), not after it."
+                )
         return QuantizedOperand(
             data=self._storage_tensor(data_name),
             scale=self._storage_tensor(scale_name),

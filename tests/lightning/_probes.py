@@ -114,3 +114,17 @@ class ImportedModules(Callback):
         path = Path(self.out_dir) / f"imported_rank{trainer.global_rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(sorted(m for m in self.WATCHED if m in sys.modules)))
+
+
+class KillRank(Callback):
+    """Fault injection: SIGKILLs rank ``rank`` as the batch of optimizer step ``step + 1`` starts (a dead node)."""
+
+    def __init__(self, rank: int = 1, step: int = 4) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)

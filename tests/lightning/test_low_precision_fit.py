@@ -104,6 +104,12 @@ def runs(tmp_path_factory, token_cache_dir):
             elif name == "mxfp8_2proc_resumed":
                 ckpt = Path(get("mxfp8_2proc")["root"]) / "checkpoints" / "step-000003"
                 cache[name] = _run(root, token_cache_dir, "mxfp8", *two, "--ckpt_path", str(ckpt))
+            elif name == "mxfp8_2proc_killed":  # rank 1 SIGKILLed during step 5 (after the step-3 checkpoint)
+                cache[name] = _run(root, token_cache_dir, "mxfp8", *two, "--trainer.callbacks+=_probes.KillRank",
+                                   expect_failure=True)
+            elif name == "mxfp8_2proc_killed_resumed":
+                killed = Path(get("mxfp8_2proc_killed")["root"])
+                cache[name] = _run(killed, token_cache_dir, "mxfp8", *two, "--ckpt_path", "last")
             elif name == "mxfp8_2proc_illegal":
                 cache[name] = _run(root, token_cache_dir, "mxfp8", *two, *illegal, "--trainer.max_steps", "2",
                                    expect_failure=True)
@@ -345,6 +351,19 @@ def test_two_process_resume_is_bitwise(runs):
     assert resumed["first_step"] == 3 and resumed["refresh"]["resume"] == 1
     assert resumed["losses"] == continuous["losses"][3:]
     assert resumed["grad_norms"] == continuous["grad_norms"][3:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_ends_the_job_with_one_line_and_resumes_from_the_last_checkpoint(runs):
+    """Issue 13: a dead rank must not leave the others hanging or print a 40-line traceback; `last` resumes."""
+    killed = runs("mxfp8_2proc_killed")
+    err = killed["stderr"]
+    assert killed["returncode"] == 1 and "Traceback" not in err
+    assert err.count("lp-lightning: rank 0: a collective failed — another rank stopped or the connection dropped") == 1
+    assert "rerun the same command with --ckpt_path last" in err
+    continuous, resumed = runs("mxfp8_2proc"), runs("mxfp8_2proc_killed_resumed")
+    assert resumed["first_step"] == 3  # the newest complete checkpoint before the kill
+    assert resumed["losses"] == continuous["losses"][3:] and resumed["grad_norms"] == continuous["grad_norms"][3:]
 
 
 def test_illegal_mxfp8_shard_fails_at_startup_naming_fqn_shape_world_size_and_rule(runs):

@@ -69,8 +69,12 @@ def test_convert_module_replaces_the_plan_and_finalizes_fp32_masters(mode, eager
             assert torch.equal(param.master, before[name].float()), name  # BF16 -> FP32 is exact
         else:
             assert type(param) is nn.Parameter and torch.equal(param, before[name]), name
-    with pytest.raises(RuntimeError, match="ran twice"):
+    with pytest.raises(RuntimeError, match="ran twice on .*: it is already converted"):
         plugin.convert_module(model)
+    other = from_hf_config("dsv3-tiny", seed=1)
+    with pytest.raises(RuntimeError, match=r"already converted another model \(25 low-precision weights\); one plugin serves one model"):
+        plugin.convert_module(other)
+    assert not any(isinstance(p, QuantizedWeightTensor) for p in other.parameters())  # nothing half-applied
 
 
 class _Dense(nn.Module):

@@ -164,6 +164,12 @@ def test_forward_checks_its_inputs():
         new(torch.randn(8, H), index[:, :1], weights)
     with pytest.raises(TypeError, match="top_k_index must be an integer tensor"):
         new(torch.randn(8, H), index.float(), weights)
+    E = new.num_experts
+    for bad in (E, -1):  # HF's expert-parallel sentinel E, a negative id: a clear error, not a bare IndexError
+        wrong = index.clone()
+        wrong[3, 1] = bad
+        with pytest.raises(ValueError, match=rf"'m.experts': top_k_index holds expert ids \[{bad}\] outside \[0, {E}\)"):
+            new(torch.randn(8, H), wrong, weights)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
         Raises:
             TypeError: for a non-integer ``top_k_index``, a non-floating ``top_k_weights`` or
                 weights that are still plain high-precision Parameters.
-            ValueError: for shapes that do not match ``[S, H]``, ``[S, k]``, ``[S, k]``.
+            ValueError: for shapes that do not match ``[S, H]``, ``[S, k]``, ``[S, k]``, or an
+                expert id outside ``[0, E)``.
         """
         self._check_inputs(hidden_states, top_k_index, top_k_weights)
         num_slots_per_token = top_k_index.shape[1]
@@ -152,6 +153,13 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
             raise ValueError(
                 f"{who}: top_k_index and top_k_weights must both be [S={hidden_states.shape[0]}, k], got "
                 f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}."
+            )
+        outside = (top_k_index < 0) | (top_k_index >= self.num_experts)
+        if bool(outside.any()):  # one host sync; an out-of-range id would otherwise fail inside scatter_add_
+            bad = top_k_index[outside].unique()[:8].tolist()
+            raise ValueError(
+                f"{who}: top_k_index holds expert ids {bad} outside [0, {self.num_experts}); the router must pick "
+                "experts of this layer (no expert parallelism: HF's sentinel E is not accepted)."
             )
 
     def extra_repr(self) -> str:
