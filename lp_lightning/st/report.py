@@ -1,12 +1,15 @@
 """The acceptance report: ``report.json``, ``report.md``, ``per_step.csv`` and PNG plots (design spec §17.3–§17.5).
 
 ``report.json`` holds ``rows`` (the Q3 rows: ``id``, ``title``, ``verdict``
-``pass|fail|not-applicable``, ``checks``, ``evidence``, ``notes``), ``numerics`` (§17.3.2: the
-per-operator table, the one-layer comparison, the short-run checks), ``performance`` (§17.4: steady
-tokens/s and step times, ratios, per-rank and global peak memory, profiler time shares, the reshard
-and recompute deltas, all-gather bytes against BF16), ``runs`` (each run's folder, exit status and
-wall time), ``settings``, ``versions`` and ``plots``. ``report.md`` is the same for a reader, with
-the plots inline. ``per_step.csv`` is the raw per-step data of every run and rank.
+``pass|fail|not-applicable``, ``checks`` with ``not_applicable`` reasons, ``evidence``, ``notes``),
+``numerics`` (§17.3.2: the per-operator table, the one-layer comparison, the short-run checks),
+``performance`` (§17.4, per case whose main run ran: steady tokens/s and step times, ratios,
+per-rank and global peak memory, profiler time shares, the reshard and recompute deltas,
+all-gather bytes against BF16; ``load``: :func:`load_comparison`), ``runs`` (each run's folder,
+exit status, wall time, ``reused``), ``settings`` (with ``reduced``), ``versions`` and ``plots``
+(only those drawn). ``report.md`` is the same for a reader, with the plots inline, a header with
+the devices, step counts and the runs that did not run, and a load warning in its performance
+section. ``per_step.csv`` is the raw per-step data of every run and rank.
 """
 
 from __future__ import annotations
