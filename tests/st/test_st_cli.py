@@ -20,7 +20,7 @@ import yaml
 
 from lp_lightning.st.cases import STSettings, build_runs
 from lp_lightning.st.main import st_main
-from lp_lightning.st.runner import KILL_GRACE_S, run_config
+from lp_lightning.st.runner import KILL_GRACE_S, execute_run, run_config
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["--skip", "[illegal, numerics]"]
@@ -111,6 +111,19 @@ def _processes_naming(text: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_a_run_past_its_timeout_is_stopped_with_its_process_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    spec = next(s for s in build_runs(STSettings(), reshard_after_forward=True) if s.name == "main/bf16")
+    started = time.monotonic()
+    result = execute_run(spec, tmp_path, user_config=None, settings=STSettings(), timeout_s=3.0)
+    assert time.monotonic() - started < 3.0 + KILL_GRACE_S + 5
+    assert not result.ok and result.exit_code is None and result.error.startswith("timed out")
+    assert (tmp_path / "runs" / "main" / "bf16" / "user_config.yaml").read_text().startswith("# embedded default")
+    assert _processes_naming(str(tmp_path / "runs")) == []
 
 
 @pytest.mark.slow
