@@ -580,12 +580,16 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
 
 class _ParseOnlyCLI(LPLightningCLI):
     @override
+    def _set_seed(self) -> None:
+        """Parsing only: the global RNGs are left alone (and no "Seed set to" line is printed)."""
+
+    @override
     def instantiate_classes(self) -> None:
         """Parsing and validation only: no model, datamodule or Trainer is created."""
 
 
 def parse_config(args: Sequence[str] = ()) -> Namespace:
-    """Parses and validates ``lp-lightning fit`` options without instantiating anything.
+    """Parses and validates ``lp-lightning fit`` options without instantiating anything or seeding.
 
     Useful to check a YAML before launching a job (``parse_config(["--config", path])``). Argument
     errors exit like the CLI (``SystemExit(2)`` with the message on stderr).

@@ -32,6 +32,7 @@ from lightning.fabric.loggers import CSVLogger
 
 from lp_lightning.data import batch_for, build_token_cache, inputs_and_labels
 from lp_lightning.distributed.fsdp import total_grad_norm
+from lp_lightning.formats import set_compiled_kernels
 from lp_lightning.lightning import (
     FSDP2FabricStrategy,
     GatherTraceProbe,
@@ -56,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sample-every", type=int, default=5, help="probes keep full events of these steps")
     parser.add_argument("--check-optimizer", action="store_true",
                         help="first show that fabric.setup_optimizers refuses torch.optim.SGD (design spec §15)")
+    parser.add_argument("--compiled-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="the fused torch.compile codec kernels (default); --no-compiled-kernels runs the eager "
+                             "ones, bit-identical and without the compile time that dominates a few-step run")
     return parser.parse_args()
 
 
@@ -75,6 +79,7 @@ def high_precision_modules(causal_lm: torch.nn.Module, replaced: list[str]) -> l
 
 def main() -> None:
     args = parse_args()
+    set_compiled_kernels(args.compiled_kernels)
     plugin = LowPrecisionFabricPlugin(args.precision)
     probes = [RefreshProbe(sample_every=args.sample_every), GemmTraceProbe(sample_every=args.sample_every),
               GatherTraceProbe(sample_every=args.sample_every), ScaleStatsProbe(sample_every=args.sample_every),

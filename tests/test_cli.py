@@ -30,6 +30,20 @@ def test_code_defaults_equal_the_tiny_yaml():
     assert defaults["precision"] == "bf16" and defaults["trainer"]["use_distributed_sampler"] is False
 
 
+def test_parse_config_leaves_the_rngs_alone():
+    """Parsing only: no seed_everything (which would reseed the caller's RNGs and print "Seed set to 0")."""
+    import random
+
+    import torch
+
+    torch.manual_seed(123)
+    random.seed(123)
+    state, py_state = torch.get_rng_state(), random.getstate()
+    config = parse_config([])
+    assert config.seed_everything == 0  # the value a fit run seeds with is still parsed
+    assert torch.equal(torch.get_rng_state(), state) and random.getstate() == py_state
+
+
 def _cli_configs() -> list:
     # LightningCLI configs only (configs/plan_*.yaml are replacement plans, not CLI configs).
     return [pytest.param(path, id=path.name) for path in sorted(CONFIGS.glob("dsv3_*.yaml"))]

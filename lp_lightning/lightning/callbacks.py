@@ -24,7 +24,9 @@ key                          meaning
 ``loss_first``/``loss_last`` training loss of the first / last step of this call (mean over the
                              step's micro-batches and ranks)
 ``val_loss_last``            last logged ``val/loss`` (``null`` if validation never ran)
-``tokens_per_s``             tokens per step / ``step_time_s_median``
+``tokens_per_s``             tokens per step / ``step_time_s_steady_median``: the steady rate,
+                             the first ``warmup_steps_excluded`` steps (warm-up, compilation) left
+                             out
 ``step_time_s_median``       median wall time of one optimizer step: from the first micro-batch's
                              ``on_train_batch_start`` to the last micro-batch's
                              ``on_train_batch_end`` (forward, backward, reduce-scatter, optimizer;
@@ -430,7 +432,7 @@ class RunSummaryCallback(Callback):
             "loss_last_mean": statistics.fmean(last) if last else None,
             "loss_last_mean_steps": len(last),
             "val_loss_last": None if val_loss is None else float(val_loss),
-            "tokens_per_s": (tokens / steps / median) if steps and median else None,
+            "tokens_per_s": (tokens / steps / steady) if steps and steady else None,  # warm-up left out
             "step_time_s_median": median,
             "step_time_s_steady_median": steady,
             "warmup_steps_excluded": warmup,

@@ -27,9 +27,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CASES", "ROW_RUNS", "RunSpec", "STCase", "STSettings", "build_runs", "case_by_name", "runs_for_rows"]
+__all__ = [
+    "CASES", "FSDP_ROWS", "MIN_REQUIRED_STEPS", "ROW_RUNS", "RunSpec", "STCase", "STSettings", "build_runs",
+    "case_by_name", "cases_for_rows", "runs_for_rows",
+]
 
 PROBES = "lp_lightning.lightning.probe_callbacks"
+MIN_REQUIRED_STEPS = 20
+"""Steps a main run and its steady window must reach in an acceptance (design spec §17.2, §17.4)."""
+FSDP_ROWS = ("Q3-05", "Q3-06", "Q3-07", "Q3-08")
+"""Rows about sharded weights: ``not-applicable`` (unless a check fails) with one process, which shards nothing."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,15 @@ class STSettings:
         accumulation: ``accumulate_grad_batches`` of the accumulation runs (> 1).
         profile_steps: Steps the profiler records at the end of each resumed run.
         required_steps: Optimizer steps a main run and the steady window must reach (design spec
-            §17.2/§17.4: at least 20); a smaller value makes Q3-01/02/03/11 fail, not pass.
+            §17.2/§17.4: at least :data:`MIN_REQUIRED_STEPS`); fewer measured steps make
+            Q3-01/02/03/11 fail, not pass.
+        reduced: A smoke run (``--reduced true``): allows ``required_steps`` below
+            :data:`MIN_REQUIRED_STEPS` and ``steady_steps`` below ``required_steps`` (and, in
+            ``lp-lightning st``, a ``--cases`` subset that leaves selected rows without some of their
+            runs). The report says "reduced" in its header and ``settings``: it is not an acceptance.
+
+    Raises:
+        ValueError: a count out of range, naming the option (``--steady_steps`` ...) and the fix.
     """
 
     devices: int = 2
@@ -95,16 +110,26 @@ class STSettings:
     accumulation: int = 2
     profile_steps: int = 3
     required_steps: int = 20
+    reduced: bool = False
 
     def __post_init__(self) -> None:
+        if not self.reduced and self.required_steps < MIN_REQUIRED_STEPS:
+            raise ValueError(f"--required_steps {self.required_steps} is below the design spec §17.2/§17.4 minimum "
+                             f"{MIN_REQUIRED_STEPS}; raise it, or pass --reduced true for a smoke run (report marked reduced).")
+        if not self.reduced and self.steady_steps < self.required_steps:
+            raise ValueError(f"--steady_steps {self.steady_steps} is below --required_steps {self.required_steps}: Q3-11 "
+                             "could not pass; raise it, or pass --reduced true for a smoke run (report marked reduced).")
         if self.steady_steps < 1 or self.warmup_steps < 0:
             raise ValueError(f"steady_steps={self.steady_steps} must be >= 1 and warmup_steps={self.warmup_steps} >= 0.")
         if not 0 < self.resume_steps < self.steps:
             raise ValueError(f"resume_steps={self.resume_steps} must be in [1, {self.steps - 1}] (warmup + steady - 1).")
         if self.accumulation < 2:
             raise ValueError(f"accumulation={self.accumulation}: Q3-07 needs accumulate_grad_batches > 1.")
-        if self.variant_steps < 1 or self.devices < 1:
-            raise ValueError(f"variant_steps={self.variant_steps} and devices={self.devices} must be >= 1.")
+        if self.variant_steps < 1:
+            raise ValueError(f"--variant_steps {self.variant_steps} must be >= 1.")
+        if self.devices < 1:
+            raise ValueError(f"--devices {self.devices} must be >= 1 (processes per run; the FSDP rows Q3-05..Q3-08 "
+                             "need >= 2 and are not-applicable at 1).")
         if not 0 < self.profile_steps <= self.resume_steps:
             raise ValueError(f"profile_steps={self.profile_steps} must be in [1, resume_steps={self.resume_steps}].")
 
@@ -257,3 +282,12 @@ def runs_for_rows(rows: list[str]) -> set[str]:
     names = {name for row in rows for name in ROW_RUNS[row]}
     return names | {name.replace("resume/", "main/") for name in names if name.startswith("resume/")}
 
+
+def cases_for_rows(rows: list[str]) -> dict[str, set[str]]:
+    """``{row: names of the cases whose runs it reads}`` (Q3-10 reads none).
+
+    Raises:
+        ValueError: an unknown row id, listing the ids.
+    """
+    runs_for_rows(rows)  # checks the ids
+    return {row: {name.split("/", 1)[1] for name in ROW_RUNS[row]} for row in rows}

@@ -421,8 +421,16 @@ def run_illegal_cases(
     if preload:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(_PRELOAD))
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
         return list(pool.map(lambda case: _run_one(case, root, timeout_s, context), selected))
+    except BaseException:  # Ctrl-C or lp-lightning st's SIGTERM: no case starts after it, none is left running
+        pool.shutdown(wait=False, cancel_futures=True)
+        for child in multiprocessing.active_children():
+            child.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 if __name__ == "__main__":  # the child of a case (lp_lightning.st.illegal_child)

@@ -10,13 +10,24 @@ writes the report (:mod:`lp_lightning.st.report`)::
     lp-lightning st --config configs/dsv3_16b_bf16.yaml --out runs/st16b   # 8 NPUs: the YAML's devices (README)
 
 Exit status: 0 when no row fails (``pass`` or ``not-applicable``), 1 when a row fails, 2 for a
-bad option or config.
+bad option or config (the message names the option), 130 after Ctrl-C and 143 after a SIGTERM (the
+running ``fit`` processes are stopped first; one line on stderr, no traceback).
+
+Usage rules (exit 2 otherwise): ``--rows`` and ``--cases`` not empty; ``--cases`` holds every case
+the selected rows read, ``--required_steps`` >= 20 and ``--steady_steps`` >= ``--required_steps``
+(design spec §17.2/§17.4), unless ``--reduced true`` marks a smoke run (the report says so);
+``--devices`` >= 1 (with 1 process the FSDP rows Q3-05…Q3-08 are ``not-applicable`` unless a check
+fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` made with the same
+``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +35,11 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
-from lp_lightning.st.cases import CASES, ROW_RUNS, STSettings, build_runs, case_by_name, runs_for_rows
+from lp_lightning.st.cases import (
+    CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
+)
 from lp_lightning.st.rows import Row, evaluate_rows
-from lp_lightning.st.runner import RunResult, execute_run, load_run
+from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
 
 __all__ = ["build_parser", "st_main"]
 
@@ -41,7 +54,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--out", type=str, default="runs/st", help="Output folder of the runs and the report.")
     defaults = STSettings()
     parser.add_argument("--devices", type=int | None, default=None,
-                        help="Processes (FSDP2 ranks) of every run (default: the YAML's trainer.devices, at least 2).")
+                        help="Processes (FSDP2 ranks) of every run, >= 1 (default: the YAML's trainer.devices, at "
+                             "least 2); with 1 the FSDP rows Q3-05..Q3-08 are not-applicable.")
     for name, help_text in (
         ("warmup_steps", "Steps left out of the performance figures."),
         ("steady_steps", "Steps measured after warm-up (design spec §17.4: at least 20)."),
@@ -53,12 +67,15 @@ def build_parser() -> ArgumentParser:
     ):
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=help_text)
     parser.add_argument("--cases", type=list[str], default=[c.name for c in CASES],
-                        help="Cases to run (rows needing a case that did not run fail).")
+                        help="Cases to run; must include every case the selected rows read (unless --reduced).")
     parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
                         help="Q3 rows to evaluate; only the runs they need are run (default: all).")
     parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (their rows fail).")
     parser.add_argument("--reuse_runs", type=bool, default=False,
                         help="Read the runs already under --out instead of running them again (re-report).")
+    parser.add_argument("--reduced", type=bool, default=False,
+                        help="A smoke run: allows --required_steps < 20, --steady_steps < --required_steps and a "
+                             "--cases subset; the report is marked reduced (not an acceptance).")
     parser.add_argument("--run_timeout_s", type=float, default=3600.0, help="A run is killed after this long.")
     return parser
 
@@ -73,8 +90,8 @@ def _user_settings(config: str | None) -> tuple[bool, int, dict[str, list[str]],
     finally:
         sys.argv = argv
     targets = model_targets(parsed.model.config_name_or_path, parsed.model.config_overrides)
-    devices = parsed.trainer.devices
-    devices = max(int(devices), 2) if str(devices).isdigit() else 2  # the matrix needs a sharded FSDP2 group
+    devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
+    devices = max(int(devices), 2) if str(devices).isdigit() else 2
     meta = {"config": config or "embedded default (dsv3-tiny)"}
     return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, meta
 
@@ -149,49 +166,128 @@ def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
     return numerics, [n1, n2]
 
 
+class _Terminated(Exception):
+    """A SIGTERM reached ``lp-lightning st`` (raised by its handler, so the running ``fit`` is stopped)."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
 def st_main(argv: Sequence[str] | None = None) -> int:
-    """Runs the acceptance and writes the report; returns the exit status (see the module docstring)."""
+    """Runs the acceptance and writes the report; returns the exit status (see the module docstring).
+
+    Ctrl-C and SIGTERM stop the running ``fit`` processes (:func:`lp_lightning.st.runner.execute_run`)
+    and end with one line on stderr and status 130 / 143.
+    """
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return _st(argv)
+    except KeyboardInterrupt:
+        print("lp-lightning st: interrupted (Ctrl-C); its runs were stopped, the folders under --out are incomplete.",
+              file=sys.stderr)
+        return 130
+    except _Terminated:
+        print("lp-lightning st: stopped by SIGTERM; its runs were stopped, the folders under --out are incomplete.",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _check_options(args: Any) -> tuple[STSettings, tuple[Any, ...], set[str]]:
+    """The settings, cases and needed run names of valid options (before the YAML is read: ``devices``
+    is 2 when ``--devices`` is not given; the caller puts the YAML's in).
+
+    Raises:
+        ValueError: an option breaking a usage rule (module docstring), naming it.
+    """
+    for option in ("rows", "cases"):
+        if not args[option]:
+            choices = list(ROW_RUNS) if option == "rows" else [c.name for c in CASES]
+            raise ValueError(f"--{option} is empty; name at least one of {choices} (or leave it out for all).")
+    values = {k: args[k] for k in STSettings.__dataclass_fields__ if k != "devices"}
+    settings = STSettings(devices=2 if args.devices is None else args.devices, **values)
+    cases = tuple(case_by_name(name) for name in args.cases)
+    unknown = sorted(set(args.skip) - set(PARTS))
+    if unknown:
+        raise ValueError(f"--skip {unknown}: unknown part; parts: {list(PARTS)}.")
+    needed = runs_for_rows(args.rows)
+    missing = {row: sorted(need - set(args.cases)) for row, need in cases_for_rows(args.rows).items()}
+    missing = {row: left for row, left in missing.items() if left}
+    if missing and not args.reduced:
+        rows = ", ".join(f"{row} ({', '.join(left)})" for row, left in missing.items())
+        raise ValueError(f"--cases {list(args.cases)} leaves out cases these --rows read: {rows}. Add them to --cases, "
+                         "drop the rows, or pass --reduced true (smoke run).")
+    if set(args.rows) == set(ROW_RUNS):  # the full report: §17.4 also compares the bf16 variants
+        needed |= {f"{kind}/bf16" for kind in ("reshard", "recompute")}
+    return settings, cases, needed
+
+
+def _reused_runs(out: Path, specs: list[Any], settings: STSettings, config: Path | None) -> set[str]:
+    """Names of the runs ``--reuse_runs`` reads from ``out`` (checked against the current options).
+
+    Raises:
+        ValueError: no run under ``out``, or a run made with another ``run.yaml``/user YAML.
+    """
+    found = {spec.name for spec in specs if (out / "runs" / spec.name / "run_summary.json").is_file()}
+    if not found:
+        raise ValueError(f"--reuse_runs true: no run of the selected rows under {out / 'runs'} (no run_summary.json); "
+                         "check --out, or run without --reuse_runs.")
+    for spec in specs:
+        if spec.name in found:
+            why = reuse_mismatch(spec, out / "runs" / spec.name, settings, config)
+            if why:
+                raise ValueError(f"--reuse_runs true: runs/{spec.name} was made with other options, {why}. Rerun "
+                                 "without --reuse_runs or use another --out.")
+    return found
+
+
+def _st(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    reshard_after_forward, devices, targets, meta = _user_settings(args.config)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {str(out)!r} is a file; name a folder (created if missing) for the runs and the report.")
     try:
-        values = {k: args[k] for k in STSettings.__dataclass_fields__ if k != "devices"}
-        settings = STSettings(devices=args.devices or devices, **values)
-        cases = tuple(case_by_name(name) for name in args.cases)
-        unknown = sorted(set(args.skip) - set(PARTS))
-        if unknown:
-            raise ValueError(f"--skip {unknown}: unknown part; parts: {list(PARTS)}.")
-        needed = runs_for_rows(args.rows)
-        if set(args.rows) == set(ROW_RUNS):  # the full report: §17.4 also compares the bf16 variants
-            needed |= {f"{kind}/bf16" for kind in ("reshard", "recompute")}
+        settings, cases, needed = _check_options(args)
     except ValueError as err:
         parser.error(str(err))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    reshard_after_forward, devices, targets, meta = _user_settings(args.config)
+    if args.devices is None:
+        settings = dataclasses.replace(settings, devices=devices)
     config = Path(args.config).resolve() if args.config else None
+    specs = [s for s in build_runs(settings, reshard_after_forward=reshard_after_forward, cases=cases)
+             if s.name in needed and "runs" not in args.skip]
+    try:
+        reused = _reused_runs(out, specs, settings, config) if args.reuse_runs else set()
+    except ValueError as err:
+        parser.error(str(err))
+    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     runs: dict[str, RunResult] = {}
-    if "runs" not in args.skip:
-        for spec in build_runs(settings, reshard_after_forward=reshard_after_forward, cases=cases):
-            if spec.name not in needed:
+    for spec in specs:
+        folder = out / "runs" / spec.name
+        if spec.name in reused:
+            runs[spec.name] = load_run(spec, folder, exit_code=0)
+            runs[spec.name].reused = True
+            _log(f"{spec.name}: reused (--reuse_runs) from {folder}")
+            continue
+        resume = None
+        if spec.resume_from is not None:
+            source = runs.get(spec.resume_from)
+            if source is None or not source.ok:
+                _log(f"{spec.name}: skipped, {spec.resume_from} did not finish")
                 continue
-            folder = out / "runs" / spec.name
-            if args.reuse_runs and (folder / "run_summary.json").is_file():
-                runs[spec.name] = load_run(spec, folder, exit_code=0)
-                continue
-            resume = None
-            if spec.resume_from is not None:
-                source = runs.get(spec.resume_from)
-                if source is None or not source.ok:
-                    _log(f"{spec.name}: skipped, {spec.resume_from} did not finish")
-                    continue
-                resume = source.checkpoint(settings.save_step)
-            _log(f"{spec.name}: running ({spec.max_steps} steps, {settings.devices} processes)")
-            result = execute_run(spec, out, user_config=config, settings=settings, resume_checkpoint=resume,
-                                 timeout_s=args.run_timeout_s)
-            runs[spec.name] = result
-            _log(f"{spec.name}: {'ok' if result.ok else 'FAILED'} in {result.seconds:.0f} s"
-                 + ("" if result.ok else f"\n{result.error}"))
+            resume = source.checkpoint(settings.save_step)
+        _log(f"{spec.name}: running ({spec.max_steps} steps, {settings.devices} processes)")
+        result = execute_run(spec, out, user_config=config, settings=settings, resume_checkpoint=resume,
+                             timeout_s=args.run_timeout_s)
+        runs[spec.name] = result
+        _log(f"{spec.name}: {'ok' if result.ok else 'FAILED'} in {result.seconds:.0f} s"
+             + ("" if result.ok else f"\n{result.error}"))
     illegal = None
     if "illegal" not in args.skip and "Q3-10" in args.rows:
         from lp_lightning.st.illegal import run_illegal_cases
@@ -208,7 +304,7 @@ def st_main(argv: Sequence[str] | None = None) -> int:
     from lp_lightning.versions import software_versions
 
     if all(f"main/{c.name}" in runs for c in CASES):
-        numerics_rows.append(short_run_checks(runs))
+        numerics_rows.append(short_run_checks(runs, settings))
     rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,
                          targets=targets, only=args.rows)
     meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
@@ -216,7 +312,7 @@ def st_main(argv: Sequence[str] | None = None) -> int:
                 cases=[c.name for c in cases], selected_rows=list(args.rows))
     report = write_report(out, rows=rows, runs=runs, settings=settings, numerics=numerics,
                           numerics_rows=numerics_rows, meta=meta)
-    width = max(len(r.title) for r in rows)
+    width = max(len(r.title) for r in [*rows, *numerics_rows])
     for row in [*rows, *numerics_rows]:
         print(f"{row.id:6} {row.title:{width}}  {row.verdict}")
     print(f"report: {out / 'report.md'} ({json.dumps(report['summary'])})")

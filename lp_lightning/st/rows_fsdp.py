@@ -46,9 +46,11 @@ def _wire_checks(row: Row, run: RunResult) -> None:
     missing = sorted(m for m in replaced if not any(f.startswith(m + ".") for f in gathered))
     row.check(f"{run.spec.name}: every replaced module's weights gathered as 8-bit payloads", bool(replaced) and not missing,
               missing[:5] or f"{len(replaced)} modules", "[]")
-    wide = sorted({f"{e['fqn']} {name} {dtype}" for e in _pre_events(run) for name, dtype, _ in e.get("tensors", [])
+    pres = _pre_events(run)
+    wide = sorted({f"{e['fqn']} {name} {dtype}" for e in pres for name, dtype, _ in e.get("tensors", [])
                    if dtype != "uint8"})
-    row.check(f"{run.spec.name}: all-gather inputs are uint8 slots", not wide, wide[:5] or "all uint8", "uint8")
+    row.check_compared(f"{run.spec.name}: all-gather inputs are uint8 slots", len(pres), not wide,
+                       wide[:5] or f"all uint8 ({len(pres)} pre-all-gather events)", "uint8")
 
 
 def _rebuilt_checks(row: Row, run: RunResult, case: str) -> None:
@@ -66,8 +68,8 @@ def _rebuilt_checks(row: Row, run: RunResult, case: str) -> None:
     for event in posts:
         shapes[event["fqn"]].add((tuple(event.get("logical_shape") or ()), event.get("logical_dtype")))
     differing = sorted(f for f, s in shapes.items() if len(s) != 1)
-    row.check(f"{run.spec.name}: one logical shape and dtype per weight on every rank and gather", not differing,
-              differing or f"{len(shapes)} weights", "[]")
+    row.check_compared(f"{run.spec.name}: one logical shape and dtype per weight on every rank and gather", len(shapes),
+                       not differing, differing or f"{len(shapes)} weights", "[]")
 
 
 def q3_05(runs: dict[str, RunResult], settings: STSettings, reshard_after_forward: bool) -> Row:
@@ -152,9 +154,10 @@ def q3_06(runs: dict[str, RunResult], settings: STSettings, reshard_after_forwar
                 if phases["forward"] != phases["backward"]:
                     differ.append(f"{key[2]} step {key[1]} rank {key[0]}")
         flag = (run.summary or {}).get("sharding", {}).get("reshard_after_forward")
-        row.check(f"{run.spec.name}: forward and backward use the same data and scale",
-                  not differ and (same > 0 or flag is False), differ[:5] or f"{same} forward/backward pairs",
-                  "identical bytes (reshard=false: one gather serves both)")
+        row.check_compared(f"{run.spec.name}: forward and backward use the same data and scale", same, not differ,
+                           differ[:5] or f"{same} forward/backward pairs", "identical bytes",
+                           if_none="reshard_after_forward=false: one gather serves forward and backward, no pair to "
+                                   "compare" if flag is False else None)
         _wire_checks(row, run)
         _rebuilt_checks(row, run, "hif8_current")
     return row

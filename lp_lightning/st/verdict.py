@@ -3,7 +3,9 @@
 A row is a list of :class:`Check` s — a named criterion, what was observed, what was expected — and
 its verdict is ``pass`` when every check holds, ``fail`` otherwise (also when it has no check), and
 ``not-applicable`` when every check holds but the row cannot be judged here (Q3-11 on the emulated
-backend). The tolerances are in :mod:`lp_lightning.st.rows`.
+backend, the FSDP rows with one process) or when every check is itself not applicable. A check that
+compared nothing (no event, pair or rank) never holds: it fails, or it is not applicable with the
+reason (:meth:`Row.check_compared`). The tolerances are in :mod:`lp_lightning.st.rows`.
 """
 
 from __future__ import annotations
@@ -53,15 +55,21 @@ def unit_roundoff(case: str) -> float:
 
 @dataclass
 class Check:
-    """One criterion of a row: ``name`` held (``ok``) with ``observed`` against ``expected``."""
+    """One criterion of a row: ``name`` held (``ok``) with ``observed`` against ``expected``.
+
+    ``not_applicable`` (a reason) marks a check with nothing to judge here; it does not fail its row
+    (``ok`` is true) and the report shows it as ``n/a``, never as ``yes``.
+    """
 
     name: str
     ok: bool
     observed: Any
     expected: Any
+    not_applicable: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": bool(self.ok), "observed": self.observed, "expected": self.expected}
+        return {"name": self.name, "ok": bool(self.ok), "observed": self.observed, "expected": self.expected,
+                "not_applicable": self.not_applicable}
 
 
 @dataclass
@@ -82,11 +90,25 @@ class Row:
     def verdict(self) -> Verdict:
         if any(not c.ok for c in self.checks) or not self.checks:
             return "fail"
-        return "not-applicable" if self.not_applicable else "pass"
+        if self.not_applicable or all(c.not_applicable for c in self.checks):
+            return "not-applicable"
+        return "pass"
 
     def check(self, name: str, ok: bool, observed: Any, expected: Any) -> bool:
         self.checks.append(Check(name, bool(ok), observed, expected))
         return bool(ok)
+
+    def check_compared(
+        self, name: str, compared: int, ok: bool, observed: Any, expected: Any, *, if_none: str | None = None
+    ) -> bool:
+        """A check over ``compared`` items (events, pairs, ranks): with none it fails, or with ``if_none``
+        (why there is nothing to compare here) it is not applicable."""
+        if compared:
+            return self.check(name, ok, observed, expected)
+        if if_none:
+            self.checks.append(Check(name, True, "nothing to compare", expected, not_applicable=if_none))
+            return True
+        return self.check(name, False, f"nothing compared (0 items): {observed}", expected)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -144,9 +166,10 @@ def _kernel_checks(row: Row, run: RunResult, name: str, fmt: str) -> None:
     per_role = {role: sum(n for (r, f, _), n in counts.items() if r == role and f == fmt) for role in ROLES}
     row.check(f"{name}: every role ran {fmt} GEMMs", all(per_role.values()), per_role, "each of the six roles > 0")
     others = sorted({f for (_, f, _) in counts} - {fmt})
-    row.check(f"{name}: no GEMM of another format", not others, others or "none", "none")
+    total = sum(counts.values())
+    row.check_compared(f"{name}: no GEMM of another format", total, not others, others or f"none of {total}", "none")
     unlabelled = sum(rank.get("unlabelled", 0) for rank in run.probe("gemm_trace"))
-    row.check(f"{name}: every GEMM declared its role", unlabelled == 0, unlabelled, 0)
+    row.check_compared(f"{name}: every GEMM declared its role", total + unlabelled, unlabelled == 0, unlabelled, 0)
     row.evidence[f"{name}.backends"] = sorted({b for (_, _, b) in counts})
 
 

@@ -187,6 +187,9 @@ def test_run_summary_contract(runs):
     warmup = summary["warmup_steps_excluded"]
     assert warmup == min(5, len(times) - 1)
     assert summary["step_time_s_steady_median"] == statistics.median(times[warmup:])
+    # tokens/s is the steady rate: the warm-up steps are left out, as in step_time_s_steady_median
+    steady_rate = summary["tokens"] / summary["steps"] / summary["step_time_s_steady_median"]
+    assert summary["tokens_per_s"] == pytest.approx(steady_rate, rel=1e-12)
     threads = summary["threads"]
     assert threads["torch_intra_op"] >= 1 and threads["cpu_count"] == os.cpu_count()
     assert len(summary["load_average"]["start"]) == len(summary["load_average"]["end"]) == 3

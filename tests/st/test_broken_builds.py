@@ -1,21 +1,29 @@
 """Deliberately broken builds make the matching Q3 row fail (issue 11 acceptance), through ``lp-lightning st``.
 
-Each broken build is a patch that a ``sitecustomize`` module applies at interpreter start in every
-process of the run (the ST parent, ``lp-lightning fit`` and the ranks its launcher starts), selected
-by ``LP_ST_BROKEN_BUILD``. The same rows on the unpatched build pass (``test_correct_build_passes``).
-The runs are one process and a few steps: the checks are the same as in the full acceptance.
+Each broken build is a patch that a ``sitecustomize`` module applies at interpreter start in the
+``fit`` processes of one run (the process whose ``--config`` is ``runs/<run>/run.yaml``, and the
+ranks its launcher starts). One ``lp-lightning st`` run carries all four, each in the run that its
+row reads and no other row of the four reads, so every failure has one cause; a second ``st`` run
+of the same rows on the unpatched build passes the same checks (``test_correct_build_passes``). Both
+are one process per run and a few steps (``--reduced true``): the checks are those of the full
+acceptance.
 
-========================  =====================================================  =========
-broken build              what it does                                           row
-========================  =====================================================  =========
-``unreplaced_target``     the default plan leaves ``layers.0.self_attn.o_proj``  Q3-04
+========================  ======================================================  =========  ================
+broken build              what it does                                            row        patched run
+========================  ======================================================  =========  ================
+``unreplaced_target``     the default plan leaves ``layers.0.self_attn.o_proj``   Q3-04      ``probe/mxfp8``
                           out
-``hp_gather``             ``o_proj.weight`` is never finalized: FSDP2 gathers    Q3-05
-                          it in BF16 and the GEMM quantizes it after the gather
-``micro_step_refresh``    the weights are refreshed after every backward         Q3-07
-``resume_from_bf16``      after a checkpoint load the masters are rounded        Q3-09
+``hp_gather``             ``o_proj.weight`` is never finalized: FSDP2 gathers it  Q3-05      ``reshard/mxfp8``
+                          in BF16 and the GEMM quantizes it after the gather
+``micro_step_refresh``    the weights are refreshed after every backward          Q3-07      ``accum/mxfp8``
+``resume_from_bf16``      after a checkpoint load the masters are rounded         Q3-09      ``resume/mxfp8``
                           through BF16 before the 8-bit rebuild
-========================  =====================================================  =========
+========================  ======================================================  =========  ================
+
+Measured with ``OMP_NUM_THREADS=1`` on 2 cores shared with other jobs (load 4-5), back to back:
+493 s wall / 295 s CPU for the module when each broken build was its own ``st`` run (five ``st``
+runs, eleven ``fit`` runs of 2-3 steps, 179 s wall on a quiet machine); 193 s / 198 s for the two
+``st`` runs of five ``fit`` runs of 1-3 steps (each ``fit`` process spends ~13 s importing).
 """
 
 from __future__ import annotations
@@ -41,8 +49,12 @@ from lp_lightning.formats import set_compiled_kernels
 
 set_compiled_kernels(False)  # eager codecs (bit-identical by contract): no compile time in these short runs
 
-_BROKEN = os.environ.get("LP_ST_BROKEN_BUILD")
+import sys
+
 _TARGET = {TARGET!r}
+_RUNS = dict(item.split("=") for item in os.environ.get("LP_ST_BROKEN_BUILD", "").split(",") if item)
+_BROKEN = next((broken for run, broken in _RUNS.items() if any(a.endswith(f"/runs/{{run}}/run.yaml") for a in sys.argv)),
+               None)  # the breakage of the run this process belongs to (none in st itself)
 
 if _BROKEN == "unreplaced_target":
     import dataclasses
@@ -112,18 +124,17 @@ elif _BROKEN == "resume_from_bf16":
     LowPrecisionFabricPlugin.rebuild_after_load = rebuild_after_load
 '''
 
-SMALL = ["--devices", "1", "--warmup_steps", "1", "--steady_steps", "2", "--resume_steps", "1", "--variant_steps", "2",
-         "--profile_steps", "1", "--required_steps", "3", "--cases", "[mxfp8]", "--skip", "[illegal, numerics]"]
+SMALL = ["--reduced", "true", "--devices", "1", "--warmup_steps", "0", "--steady_steps", "2", "--resume_steps", "1",
+         "--variant_steps", "1", "--profile_steps", "1", "--required_steps", "2", "--cases", "[mxfp8]",
+         "--skip", "[illegal, numerics]"]
 
 
-def _st(tmp_path: Path, broken: str | None, rows: list[str]) -> dict:
+def _st(tmp_path: Path, broken: dict[str, str], rows: list[str]) -> dict:
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)  # one folder per st run: the runs write into it
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "OMP_NUM_THREADS": "1"}
-    env.pop("LP_ST_BROKEN_BUILD", None)
-    if broken:
-        env["LP_ST_BROKEN_BUILD"] = broken
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)]), "OMP_NUM_THREADS": "1",
+           "LP_ST_BROKEN_BUILD": ",".join(f"{run}={build}" for run, build in broken.items())}
     out = tmp_path / "st"
     command = [sys.executable, "-m", "lp_lightning.cli", "st", "--out", str(out), "--rows", f"[{', '.join(rows)}]", *SMALL]
     proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
@@ -140,26 +151,28 @@ def _check(report: dict, row_id: str, name: str) -> dict:
     return {"row": row, "checks": matches}
 
 
-EXPECTED = {  # broken build -> (row, the check that must fail)
-    "unreplaced_target": ("Q3-04", "every target of the model replaced"),
-    "hp_gather": ("Q3-05", "no high-precision gather of a replaced weight"),
-    "micro_step_refresh": ("Q3-07", "no refresh on a micro-step"),
-    "resume_from_bf16": ("Q3-09", "bit-identical"),
+EXPECTED = {  # broken build -> (row, the check that must fail, the run it breaks)
+    "unreplaced_target": ("Q3-04", "probe/mxfp8: every target of the model replaced", "probe/mxfp8"),
+    "hp_gather": ("Q3-05", "reshard/mxfp8: no high-precision gather of a replaced weight", "reshard/mxfp8"),
+    "micro_step_refresh": ("Q3-07", "no refresh on a micro-step", "accum/mxfp8"),
+    "resume_from_bf16": ("Q3-09", "bit-identical", "resume/mxfp8"),
 }
+ROWS = sorted({row for row, _, _ in EXPECTED.values()})
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str | None, dict]:
-    """The correct build's report for every row below, and each broken build's for its row (two at a time)."""
-    jobs = {None: sorted({row for row, _ in EXPECTED.values()})} | {b: [row] for b, (row, _) in EXPECTED.items()}
+def reports(tmp_path_factory) -> dict[str, dict]:
+    """The report of the correct build and of the build with every breakage in its run, both at once."""
+    jobs = {"correct": {}, "broken": {run: build for build, (_, _, run) in EXPECTED.items()}}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each st run is one process, one thread
-        futures = {b: pool.submit(_st, tmp_path_factory.mktemp(b or "correct"), b, rows) for b, rows in jobs.items()}
-        return {b: f.result() for b, f in futures.items()}
+        futures = {name: pool.submit(_st, tmp_path_factory.mktemp(name), broken, ROWS) for name, broken in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def test_correct_build_passes(reports):
-    report = reports[None]
-    for row_id, check in EXPECTED.values():
+    report = reports["correct"]
+    assert report["settings"]["reduced"] is True and report["settings"]["devices"] == 1
+    for row_id, check, _ in EXPECTED.values():
         found = _check(report, row_id, check)
         assert all(c["ok"] for c in found["checks"]), found["checks"]
         failing = [c for c in found["row"]["checks"] if not c["ok"]]  # only for the cases this test leaves out
@@ -168,8 +181,8 @@ def test_correct_build_passes(reports):
 
 @pytest.mark.parametrize("broken", sorted(EXPECTED))
 def test_broken_build_fails_its_row(reports, broken):
-    row_id, check = EXPECTED[broken]
-    report = reports[broken]
+    row_id, check, _ = EXPECTED[broken]
+    report = reports["broken"]
     found = _check(report, row_id, check)
     assert found["row"]["verdict"] == "fail" and report["_exit_code"] == 1
     assert any(not c["ok"] for c in found["checks"]), found["checks"]

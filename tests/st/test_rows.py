@@ -2,39 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from lp_lightning.st.cases import CASES, ROW_RUNS, STSettings, build_runs, case_by_name, runs_for_rows
-from lp_lightning.st.rows import q3_07, q3_09, q3_10, q3_11, unit_roundoff
+from lp_lightning.st.cases import CASES, FSDP_ROWS, ROW_RUNS, STSettings, build_runs, case_by_name, runs_for_rows
+from lp_lightning.st.rows import Row, evaluate_rows, q3_06, q3_07, q3_09, q3_10, q3_11, unit_roundoff
 from lp_lightning.st.runner import RunResult, load_run, run_config
 
-SETTINGS = STSettings(devices=2, warmup_steps=1, steady_steps=3, resume_steps=2, variant_steps=2, required_steps=3,
-                       profile_steps=1)
-
-
-def _run(name: str, folder: Path, summary: dict | None, probes: dict[str, list[dict]] | None = None) -> RunResult:
-    kind, case = name.split("/")
-    spec = next(s for s in build_runs(SETTINGS, reshard_after_forward=True) if s.name == name)
-    assert spec.kind == kind and spec.case.name == case
-    result = RunResult(spec, folder, exit_code=0, summary=summary)
-    for kind_, ranks in (probes or {}).items():
-        result.probes[kind_] = [{**data, "_rank": r} for r, data in enumerate(ranks)]
-    return result
-
-
-def _refresh(micro: int = 0, max_per_weight: int = 1) -> dict:
-    steps = [{"step": s, "refreshes": 4, "weights": 4, "max_per_weight": max_per_weight, "skipped": False}
-             for s in (1, 2)]
-    return {"micro_batches_per_step": 2, "micro_step_refreshes": micro, "forward_backward_refreshes": 0,
-            "low_precision_weights": 4, "per_step": steps}
-
-
-def _summary(losses=(3.0, 2.9), first_step=0, **extra) -> dict:
-    return {"steps": len(losses), "losses": list(losses), "grad_norms": [1.0] * len(losses), "first_step": first_step,
-            "loss_first": losses[0], "loss_last_mean": sum(losses) / len(losses), **extra}
+from ._synthetic import SETTINGS, refresh, run_result, summary
 
 
 def test_settings_and_matrix():
@@ -64,7 +42,7 @@ def test_run_config_sets_the_variant_on_top_of_the_user_yaml(tmp_path):
 
 def test_load_run_reads_summary_and_per_rank_probe_files(tmp_path):
     (tmp_path / "probes").mkdir()
-    (tmp_path / "run_summary.json").write_text(json.dumps(_summary()))
+    (tmp_path / "run_summary.json").write_text(json.dumps(summary()))
     for rank in (1, 0):
         (tmp_path / "probes" / f"refresh_rank{rank}.json").write_text(json.dumps({"rank": rank}))
     spec = build_runs(SETTINGS, reshard_after_forward=True)[0]
@@ -73,18 +51,68 @@ def test_load_run_reads_summary_and_per_rank_probe_files(tmp_path):
 
 
 def test_q3_07_fails_on_a_micro_step_refresh(tmp_path):
-    good = {f"accum/{c}": _run(f"accum/{c}", tmp_path, _summary(), {"refresh": [_refresh(), _refresh()]})
+    good = {f"accum/{c}": run_result(f"accum/{c}", tmp_path, summary(), {"refresh": [refresh(), refresh()]})
             for c in ("mxfp8", "hif8_current")}
     assert q3_07(good, SETTINGS).verdict == "pass"
     bad = dict(good)
-    bad["accum/hif8_current"] = _run("accum/hif8_current", tmp_path, _summary(), {"refresh": [_refresh(micro=4), _refresh()]})
+    bad["accum/hif8_current"] = run_result("accum/hif8_current", tmp_path, summary(),
+                                           {"refresh": [refresh(micro=4), refresh()]})
     row = q3_07(bad, SETTINGS)
     assert row.verdict == "fail"
     assert [c.name for c in row.checks if not c.ok] == ["accum/hif8_current rank 0: no refresh on a micro-step"]
 
 
+def test_one_process_makes_the_fsdp_rows_not_applicable_unless_a_check_fails(tmp_path):
+    one = dataclasses.replace(SETTINGS, devices=1)
+    good = {f"accum/{c}": run_result(f"accum/{c}", tmp_path, summary(), {"refresh": [refresh()]}, settings=one)
+            for c in ("mxfp8", "hif8_current")}
+    kwargs = {"illegal": None, "reshard_after_forward": True, "targets": {}}
+    (row,) = evaluate_rows(good, one, only=["Q3-07"], **kwargs)
+    assert row.verdict == "not-applicable" and "--devices 1" in row.not_applicable and "shards nothing" in row.not_applicable
+    assert all(c.ok for c in row.checks)
+    (row,) = evaluate_rows(good, SETTINGS, only=["Q3-07"], **kwargs)  # two ranks: judged
+    assert row.verdict == "pass" and row.not_applicable is None
+    bad = {**good, "accum/mxfp8": run_result("accum/mxfp8", tmp_path, summary(), {"refresh": [refresh(micro=4)]},
+                                             settings=one)}
+    rows = {r.id: r for r in evaluate_rows(bad, one, **kwargs)}
+    assert rows["Q3-07"].verdict == "fail"  # a failing check still fails the row
+    assert {i for i, r in rows.items() if r.not_applicable and "--devices 1" in r.not_applicable} == set(FSDP_ROWS)
+    assert rows["Q3-09"].not_applicable is None and rows["Q3-01"].not_applicable is None
+
+
+def test_a_check_that_compared_nothing_never_says_yes():
+    row = Row("Q3-06")
+    assert not row.check_compared("pairs equal", 0, True, "0 pairs", "equal")
+    assert row.verdict == "fail" and row.checks[0].observed.startswith("nothing compared")
+    row = Row("Q3-06")
+    assert row.check_compared("pairs equal", 0, True, "0 pairs", "equal", if_none="one gather serves both")
+    assert row.checks[0].not_applicable == "one gather serves both" and row.verdict == "not-applicable"
+    row.check("something else", True, 1, 1)
+    assert row.verdict == "pass"  # one judged check, one not applicable
+    assert Row("Q3-06").verdict == "fail"  # no check at all
+
+
+def test_q3_06_without_forward_backward_pairs(tmp_path):
+    """reshard_after_forward=false: one gather serves both passes, so the SHA-1 pair check is n/a, not "yes"."""
+    posts = [{"stage": "post_all_gather", "step": 1, "fqn": "model.l.w", "phase": "forward", "logical_shape": [4, 4],
+              "logical_dtype": "torch.bfloat16", "tensors": [["data", "uint8", [4, 4]], ["scale", "float32", []]],
+              "scale_values": 1.0, "sha1": "a"}]
+    pres = [{"stage": "pre_all_gather", "step": 1, "fqn": "model.l.w", "phase": "forward", "orientations": ["row"],
+             "tensors": [["data", "uint8", [2, 4]]], "bytes": 8}]
+    traces = {"gather_trace": [{"events": posts + pres}] * 2}
+    runs = {}
+    for name, flag in (("probe/hif8_current", True), ("reshard/hif8_current", False)):
+        extra = {"sharding": {"reshard_after_forward": flag}, "wire": {"high_precision_gathers_of_replaced": 0},
+                 "replacement": {"replaced": [{"fqn": "model.l"}]}}
+        runs[name] = run_result(name, tmp_path, summary(**extra), traces)
+    row = q3_06(runs, SETTINGS, True)
+    pairs = {c.name.split(":")[0]: c for c in row.checks if "forward and backward" in c.name}
+    assert not pairs["probe/hif8_current"].ok  # reshard=true must have forward/backward pairs
+    assert pairs["reshard/hif8_current"].ok and "one gather serves" in pairs["reshard/hif8_current"].not_applicable
+
+
 def test_q3_07_fails_when_a_run_is_missing_or_failed(tmp_path):
-    runs = {"accum/mxfp8": _run("accum/mxfp8", tmp_path, _summary(), {"refresh": [_refresh()]})}
+    runs = {"accum/mxfp8": run_result("accum/mxfp8", tmp_path, summary(), {"refresh": [refresh()]})}
     runs["accum/mxfp8"].exit_code = 1
     runs["accum/mxfp8"].error = "exit status 1; boom"
     row = q3_07(runs, SETTINGS)
@@ -104,9 +132,9 @@ def _q3_09_runs(tmp_path: Path, resumed_storage: str, resumed_loss: float) -> di
         storage = resumed_storage if case.name == "mxfp8" else "s"
         resume_digests = [{"snapshots": [{"when": "train_start", "global_step": 2, **_digest(storage=storage)}]}] * 2
         loss = resumed_loss if case.name == "mxfp8" else 2.8
-        runs[f"main/{case.name}"] = _run(f"main/{case.name}", tmp_path / case.name, _summary((3.0, 2.9, 2.8, 2.7)),
+        runs[f"main/{case.name}"] = run_result(f"main/{case.name}", tmp_path / case.name, summary((3.0, 2.9, 2.8, 2.7)),
                                          {"digest": main_digests})
-        runs[f"resume/{case.name}"] = _run(f"resume/{case.name}", tmp_path / "r", _summary((loss, 2.7), first_step=2),
+        runs[f"resume/{case.name}"] = run_result(f"resume/{case.name}", tmp_path / "r", summary((loss, 2.7), first_step=2),
                                            {"digest": resume_digests})
     return runs
 
@@ -116,6 +144,9 @@ def test_q3_09_needs_bit_identical_state_not_only_a_close_loss(tmp_path, monkeyp
 
     monkeypatch.setattr(rows, "_checkpoint_checks", lambda row, path, case, step: row.check("ckpt", True, 0, 0))
     assert q3_09(_q3_09_runs(tmp_path, "s", 2.8), SETTINGS).verdict == "pass"
+    names = [c.name for c in q3_09(_q3_09_runs(tmp_path, "s", 2.8), SETTINGS).checks if "bit-identical" in c.name]
+    assert [n.split(":")[0] for n in names] == ["bf16", "mxfp8", "hif8_current"]
+    assert "8-bit" not in names[0] and "8-bit storage" in names[1]  # bf16 has no 8-bit storage
     row = q3_09(_q3_09_runs(tmp_path, "rebuilt-from-bf16", 2.8), SETTINGS)  # the loss agrees, the storage does not
     failed = [c for c in row.checks if not c.ok]
     assert row.verdict == "fail" and len(failed) == 1 and "bit-identical" in failed[0].name
@@ -140,7 +171,7 @@ def test_q3_10_fails_on_one_case():
 def test_q3_11_is_not_applicable_on_the_emulated_backend_and_judged_on_npu(tmp_path):
     def main(case: str, seconds: float, backend: str) -> RunResult:
         times = [9.0] + [seconds] * 3
-        return _run(f"main/{case}", tmp_path, _summary((3.0,) * 4, step_times_s=times, tokens=4000, backend=backend))
+        return run_result(f"main/{case}", tmp_path, summary((3.0,) * 4, step_times_s=times, tokens=4000, backend=backend))
 
     runs = {"main/bf16": main("bf16", 1.0, "none"), "main/mxfp8": main("mxfp8", 1.5, "emulated"),
             "main/hif8_current": main("hif8_current", 1.2, "emulated")}
