@@ -1,4 +1,7 @@
-"""``lp-lightning``: the console entry point (``lp-lightning fit ...`` / ``validate-model ...``).
+"""``lp-lightning``: the console entry point (``lp-lightning fit ...`` / ``validate-model`` / ``plan`` / ``st``).
+
+``lp-lightning plan`` (:mod:`lp_lightning.planner.main`) predicts per-rank memory on the meta model;
+its ``--config`` reads an ``lp-lightning fit`` YAML through :func:`plan_settings`.
 
 ``lp-lightning fit`` is a LightningCLI over :class:`~lp_lightning.lightning.module.DeepSeekV3LM`
 and :class:`~lp_lightning.lightning.datamodule.PretrainDataModule`. Without ``--config`` it
@@ -93,7 +96,7 @@ from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
 
-__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config"]
+__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config", "plan_settings"]
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
@@ -262,6 +265,7 @@ class LPLightningCLI(LightningCLI):
                 "prog": "lp-lightning",
                 "description": "Pretrain DeepSeek-V3 with FSDP2 in bf16, mxfp8 or hif8 GEMMs. Also: "
                 "`lp-lightning validate-model --help` (structure report of a spec on the meta device), "
+                "`lp-lightning plan --help` (per-rank memory of a run, on the meta device), "
                 "`lp-lightning st --help` (the design spec §17 acceptance runs and report).",
             },
             parser_class=_LPArgumentParser,
@@ -541,6 +545,41 @@ def parse_config(args: Sequence[str] = ()) -> Namespace:
     return _ParseOnlyCLI(args=list(args), run=False).config
 
 
+def plan_settings(path: str) -> dict[str, Any]:
+    """What ``lp-lightning plan --config`` takes from an ``lp-lightning fit`` YAML (docs/planner.md).
+
+    The YAML is parsed and checked as :func:`parse_config` does (a bad file exits with status 2);
+    nothing is built.
+
+    Returns:
+        ``spec``, ``precision``, ``world_size`` (``fsdp_config.dp_shard_size``, else ``trainer.devices x
+        num_nodes``), ``seq_len``, ``micro_batch_size`` (``global_batch_size // (accumulate_grad_batches x
+        world_size)``), ``activation_checkpoint``, ``reshard_after_forward``, ``fallback_to_unsharded``,
+        ``config_overrides``; a value the YAML leaves open (``devices: auto``) is left out.
+    """
+    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
+    try:
+        config = parse_config(["--config", path])
+    finally:
+        sys.argv = argv
+    fsdp, trainer, data = config.fsdp_config, config.trainer, config.data
+    world_size = fsdp.dp_shard_size or _world_size(trainer)
+    settings = {
+        "spec": config.model.config_name_or_path,
+        "precision": config.precision,
+        "seq_len": data.seq_len,
+        "activation_checkpoint": config.model.activation_checkpoint,
+        "reshard_after_forward": fsdp.reshard_after_forward,
+        "fallback_to_unsharded": fsdp.fallback_to_unsharded,
+        "config_overrides": config.model.config_overrides,
+    }
+    if world_size is not None:
+        accumulation = trainer.get("accumulate_grad_batches") or 1
+        settings["world_size"] = world_size
+        settings["micro_batch_size"] = data.global_batch_size // (accumulation * world_size)
+    return settings
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``lp-lightning``.
 
@@ -561,6 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lp_lightning.st.main import st_main
 
         return st_main(args[1:])
+    if args and args[0] == "plan":
+        from lp_lightning.planner.main import plan_main
+
+        return plan_main(args[1:], read_fit_config=plan_settings)
     try:
         LPLightningCLI(args=None if argv is None else args)
     except RuntimeError as err:

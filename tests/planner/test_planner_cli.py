@@ -1,0 +1,85 @@
+"""``lp-lightning plan`` on the command line: options, spellings, ``--config``, output and exit status."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lp_lightning.cli import main, plan_settings
+from lp_lightning.planner import plan_memory
+
+TINY = ["plan", "--spec", "dsv3-tiny", "--precision", "mxfp8", "--seq_len", "64", "--micro_batch_size", "2"]
+
+
+def _json(capsys, argv):
+    status = main(argv)
+    out = capsys.readouterr().out
+    return status, json.loads(out)
+
+
+def test_hyphen_and_underscore_spellings_agree(capsys):
+    a = _json(capsys, [*TINY, "--world_size", "2", "--activation_checkpoint", "full", "--budget_gib", "1", "--json"])
+    b = _json(capsys, ["plan", "--spec", "dsv3-tiny", "--precision", "mxfp8", "--seq-len", "64", "--micro-batch-size",
+                       "2", "--world-size", "2", "--activation-checkpoint", "full", "--budget-gib", "1", "--json"])
+    assert a == b and a[0] == 0
+    status, plan = a
+    assert plan["run"]["activation_checkpoint"] == "full" and plan["budget_bytes"] == 2**30
+    direct = plan_memory("dsv3-tiny", "mxfp8", 2, seq_len=64, micro_batch_size=2, activation_checkpoint="full",
+                         budget_bytes=2**30)
+    assert plan == json.loads(direct.to_json())
+
+
+def test_flags_and_overrides(capsys):
+    _, plan = _json(capsys, [*TINY, "--world-size", "8", "--fallback-to-unsharded", "--no_reshard_after_forward",
+                             "--config_overrides", '{"num_hidden_layers": 2}', "--json"])
+    assert plan["run"]["fallback_to_unsharded"] and not plan["run"]["reshard_after_forward"]
+    assert plan["launchable"] and len(plan["activation_terms"]["per_layer"]) == 2
+    assert plan["in_flight"]["units"].keys() >= {"every unit"}
+
+
+def test_human_report(capsys):
+    assert main([*TINY, "--world-size", "4", "--config_overrides", '{"kv_lora_rank": 256}']) == 0
+    out = capsys.readouterr().out
+    for needle in ("per-rank memory (rank 0)", "master ", "all_gather_buffers", "total ", "budget 96.00 GiB: fits",
+                   "bytes per parameter", "mxfp8  mxfp8_e4m3", "placements of 25 low-precision weights",
+                   "dim-0 rule (design spec §9.1) breaks for", "Shard(1)    model.layers.0.self_attn.kv_a_proj_with_mqa"):
+        assert needle in out, needle
+
+
+def test_does_not_fit_or_cannot_start_exits_1(capsys):
+    assert main([*TINY, "--world-size", "1", "--budget-gib", "0.001"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main([*TINY, "--world-size", "8"]) == 1  # dsv3-tiny has weights no dim can shard over 8 ranks
+    assert "cannot start" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--spec", "dsv3-99b"], "not a built-in spec"),
+        (["--world-size", "0"], "--world_size must be an integer >= 1"),
+        (["--precision", "fp4"], "--precision 'fp4' is not supported"),
+        (["--activation-checkpoint", "some"], "activation_checkpoint"),
+        (["--world-size", "two"], "world_size"),
+        (["--bogus"], "bogus"),
+        (["--config_overrides", "{not json"], "config_overrides"),
+        (["--config", "does/not/exist.yaml"], "does/not/exist.yaml"),
+    ],
+)
+def test_bad_options_exit_2(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()[-1]) < 400
+
+
+def test_config_supplies_the_run(capsys):
+    settings = plan_settings("configs/dsv3_16b_hif8.yaml")
+    assert settings == {
+        "spec": "dsv3-16b", "precision": "hif8", "world_size": 8, "seq_len": 4096, "micro_batch_size": 1,
+        "activation_checkpoint": "off", "reshard_after_forward": True, "fallback_to_unsharded": False,
+        "config_overrides": None,
+    }
+    _, plan = _json(capsys, ["plan", "--config", "configs/dsv3_16b_hif8.yaml", "--world-size", "16", "--json"])
+    assert plan["run"] | {"world_size": 8} == {**settings, "format": "hif8", "config_overrides": {}}
+    assert plan["run"]["world_size"] == 16  # an explicit option wins over the YAML
