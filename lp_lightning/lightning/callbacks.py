@@ -47,13 +47,18 @@ key                          meaning
 ``peak_tensor_bytes``        max over ranks of the peak live tensor bytes of the measured steps
                              (:class:`~lp_lightning.lightning.memory_probe.TensorMemoryProbe`:
                              live untyped storages, each once; no allocator cache, no Python
-                             objects; the same measurement for bf16 and 8-bit runs); ``null``
-                             (as the next three keys) unless that probe ran and measured a step
+                             objects; the same measurement for bf16 and 8-bit runs), after every
+                             op; ``null`` (as every ``peak_tensor_bytes*`` key) unless that probe
+                             ran and measured a step
 ``peak_tensor_bytes_per_rank`` the same value of every rank, in rank order
 ``peak_tensor_bytes_by_category`` per rank (rank order), ``{component: bytes}`` at that rank's
                              peak: ``master``, ``low_precision_storage``, ``optimizer``,
                              ``gradients``, ``all_gather_buffers``, ``unsharded_gradients``,
                              ``activations``, ``buffers`` (the memory planner's components)
+``peak_tensor_bytes_outside_emulation`` (and ``_per_rank``, ``_by_category``) the same peak
+                             taken only after ops outside the emulated quantise/GEMM backend
+                             calls (their working buffers left out, their results counted; equal
+                             in bf16): the figure to compare with ``lp-lightning plan``
 ``tensor_memory_source``     the tracker (``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``)
 ``checkpoints``              checkpoint folders written by this call, in order
 ``versions``                 ``lp_lightning``, ``git_commit`` (``-dirty`` with local changes),
@@ -237,7 +242,8 @@ compilation), at most all but one."""
 
 
 _NO_TENSOR_MEMORY: dict[str, Any] = {
-    "peak_tensor_bytes": None, "peak_tensor_bytes_per_rank": None, "peak_tensor_bytes_by_category": None,
+    **{f"{prefix}{suffix}": None for prefix in ("peak_tensor_bytes", "peak_tensor_bytes_outside_emulation")
+       for suffix in ("", "_per_rank", "_by_category")},
     "tensor_memory_source": None,
 }
 """The ``peak_tensor_bytes*`` keys of a run without a measured :class:`TensorMemoryProbe` step."""
@@ -420,18 +426,20 @@ class RunSummaryCallback(Callback):
         probe = next((c for c in trainer.callbacks if isinstance(c, TensorMemoryProbe)), None)  # type: ignore[attr-defined]
         if probe is None:
             return dict(_NO_TENSOR_MEMORY)
-        result = probe.measurement()
-        peaks = self._gather(trainer, -1 if result is None else result["peak_bytes"])
-        parts = {name: self._gather(trainer, 0 if result is None else result["by_component"][name])
-                 for name in COMPONENTS}
-        if min(peaks) < 0:  # some rank measured no step (max_steps <= the probe's warmup_steps)
-            return {**_NO_TENSOR_MEMORY, "tensor_memory_source": SOURCE}
-        return {
-            "peak_tensor_bytes": max(peaks),
-            "peak_tensor_bytes_per_rank": peaks,
-            "peak_tensor_bytes_by_category": [{name: parts[name][r] for name in COMPONENTS} for r in range(len(peaks))],
-            "tensor_memory_source": SOURCE,
-        }
+        result = probe.measurement() or {}
+        keys: dict[str, Any] = {"tensor_memory_source": SOURCE}
+        for peak, prefix in (("all_ops", "peak_tensor_bytes"), ("outside_emulation", "peak_tensor_bytes_outside_emulation")):
+            local = result.get(peak)
+            peaks = self._gather(trainer, -1 if local is None else local["peak_bytes"])
+            parts = {name: self._gather(trainer, 0 if local is None else local["by_component"][name])
+                     for name in COMPONENTS}
+            measured = min(peaks) >= 0  # else some rank measured no step (max_steps <= warmup_steps)
+            keys[prefix] = max(peaks) if measured else None
+            keys[f"{prefix}_per_rank"] = peaks if measured else None
+            keys[f"{prefix}_by_category"] = (
+                [{name: parts[name][r] for name in COMPONENTS} for r in range(len(peaks))] if measured else None
+            )
+        return keys
 
     def _precision_and_backend(self, trainer: pl.Trainer) -> tuple[str, str]:
         plugin = trainer.precision_plugin

@@ -18,11 +18,34 @@ labels every storage with a category: ``Sharded Param``, ``Unsharded Param``, ``
 ``Sharded Grad``, ``Unsharded Grad``, ``Activation``, ``Temp`` (backward temporaries such as
 activation gradients), ``All Gather``, ``Reduce Scatter``, ``OptState`` (including temporaries of
 ``optimizer.step``), ``Inputs`` (the batch). The probe enters it at the start of every optimizer
-step and leaves it after the step (optimizer step and low-precision refresh included), so the peak
-of a step is the largest sum of live storages at any op of that step; it clears the tracker's
-per-module statistics before each forward of the root module (the tracker refuses a second root
-forward otherwise: gradient accumulation) and re-labels a low-precision weight's new storage as
-``Sharded Param`` after each refresh (through the public refresh observers).
+step and leaves it after the step (optimizer step and low-precision refresh included); it clears the
+tracker's per-module statistics before each forward of the root module (the tracker refuses a second
+root forward otherwise: gradient accumulation) and re-labels a low-precision weight's new storage as
+``Sharded Param`` after each refresh (through the public refresh observers). The probe's subclass of
+the tracker (``_Tracker``) only adds the two peaks below to it.
+
+**Two peaks** per step, each the largest sum of live storages seen after an op:
+
+- ``all_ops``: after every op;
+- ``outside_emulation``: after the ops outside the backend calls of the ops layer (``quantize``,
+  ``quantize_dual``, ``low_precision_matmul``, ``low_precision_grouped_matmul``; told by
+  ``lp_lightning.ops.add_range_observer``). Their results are counted from the op after the call
+  on; the working buffers they allocate and free inside (the emulated codec's FP32/int
+  intermediates, the emulated GEMM's decoded FP32 operands) are not. These buffers belong to the
+  CPU emulation, not to the training state: an NPU quantises and multiplies in fused kernels with
+  their own workspace. In bf16 the two peaks are equal.
+
+A ``TorchDispatchMode`` disables ``torch.compile``, so while the probe runs the codec kernels run
+their eager reference (bit-identical results); the probe turns the fused kernels off itself for the
+run and restores the setting. The eager kernels' working buffers are several times the fused
+ones' (HiF8 encode of a grouped weight: about 85 bytes per element eager, 9 fused; MXFP8: 18 and 6,
+``torch.profiler`` memory timeline), which is why ``all_ops`` is not a production figure for 8-bit
+runs and ``outside_emulation`` is the one to compare with a memory plan.
+
+``phase`` says where a peak was: ``forward`` (inside the FSDP2 root module's forward),
+``backward`` (the autograd backward, the loss's included), ``optimizer_step``,
+``after_optimizer_step`` (the low-precision refresh), ``other`` (the loss computed outside the root
+module, gradient clipping, ``zero_grad``).
 
 **Measured steps.** Steps ``warmup_steps + 1`` … of the fit call (default: all but the first: the
 first optimizer step allocates the AdamW moments). Warm-up steps are tracked too (what they
@@ -36,25 +59,21 @@ parameters), ``low_precision_storage`` = the built 8-bit data and scales of this
 (FSDP2 parameters), ``optimizer`` = ``OptState``, ``gradients`` = ``Sharded Grad``,
 ``all_gather_buffers`` = ``Unsharded Param`` + ``All Gather``, ``unsharded_gradients`` =
 ``Unsharded Grad`` + ``Reduce Scatter``, ``activations`` = ``Activation`` + ``Temp`` + ``Inputs``
-(saved activations, backward and refresh temporaries), ``buffers`` = ``Buffer``. ``phase`` says
-where the step's peak was: ``forward`` / ``backward`` (inside the FSDP2 root module's forward or
-backward) or ``outside_forward_backward`` (a loss computed outside the root module and its
-backward, gradient clipping, the optimizer step, the refresh).
+(saved activations, backward, loss and refresh temporaries), ``buffers`` = ``Buffer``.
 
-**Limits.** A ``TorchDispatchMode`` disables ``torch.compile``, so while the probe runs the codec
-kernels run their eager reference (bit-identical results; their transient buffers are the eager
-kernels', an upper bound for the fused ones); the probe turns the fused kernels off itself for the
-run and restores the setting. Tensors created outside the tracked steps and not held by the
-parameters, gradients, buffers or optimizer are not seen (none besides the previous batch in a
-DeepSeek run: ``tests/lightning/test_memory_probe.py`` checks the tracker against every tensor the
-garbage collector sees). Steps run several times slower under the mode: measure a few steps, not a long run.
+**Limits.** Tensors created outside the tracked steps and not held by the parameters, gradients,
+buffers or optimizer are not seen (none besides the previous batch in a DeepSeek run:
+``tests/lightning/test_memory_probe.py`` checks the tracker against every tensor the garbage
+collector sees). Steps run several times slower under the mode: measure a few steps, not a long run.
 
 File keys (besides the common ones of :mod:`~lp_lightning.lightning.probe_callbacks`):
 ``source``, ``counted`` (the sentence above), ``warmup_steps``, ``device``, ``per_step``
-``[{"step", "peak_bytes", "end_bytes", "measured", "phase"}]`` (``end_bytes``: live bytes when the
-step closed, e.g. masters, 8-bit storage, moments and the step's gradients), ``peak_bytes`` (max over measured steps,
-``null`` if none ran), ``peak_step``, ``phase``, ``by_category`` (the tool's categories at that
-peak), ``by_component``, ``low_precision_storage_bytes``.
+``[{"step", "end_bytes", "measured", "all_ops_bytes", "all_ops_phase", "outside_emulation_bytes",
+"outside_emulation_phase"}]`` (``end_bytes``: live bytes when the step closed: masters, 8-bit
+storage, moments, the step's gradients), and for each peak (``all_ops``, ``outside_emulation``)
+``{"peak_bytes", "peak_step", "phase", "by_category" (the tool's categories at that peak),
+"by_component", "low_precision_storage_bytes"}`` over the measured steps (``null`` values if none
+ran).
 """
 
 from __future__ import annotations
@@ -72,7 +91,7 @@ from typing_extensions import override
 
 from lp_lightning.lightning.probe_base import ProbeCallback, StepInfo
 
-__all__ = ["COMPONENTS", "COUNTED", "SOURCE", "TensorMemoryProbe", "components_of"]
+__all__ = ["COMPONENTS", "COUNTED", "PEAKS", "SOURCE", "TensorMemoryProbe", "components_of"]
 
 SOURCE = "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker"
 """The tracker behind the numbers (``tensor_memory_source`` of ``run_summary.json``)."""
@@ -102,6 +121,10 @@ _COMPONENT_OF_CATEGORY = {
     "Inputs": "activations",
     "Buffer": "buffers",
 }
+PEAKS: tuple[str, ...] = ("all_ops", "outside_emulation")
+"""The two peaks of a step: over every op, and over the ops outside the emulated low-precision
+backend calls (module docstring, **Two peaks**)."""
+
 _SHARDED_PARAM = "Sharded Param"
 _TOTAL = "Total"
 
@@ -144,6 +167,38 @@ def _fsdp_root(model: nn.Module | None) -> FSDPModule:
     )
 
 
+class _Tracker(FSDPMemTracker):
+    """``FSDPMemTracker`` that keeps, per entry, the peak over all ops and the peak over the ops
+    outside the emulated low-precision backend calls, each with its phase and categories."""
+
+    def __init__(self, root: FSDPModule, optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
+        super().__init__(root, optimizer)
+        self.device = device
+        self.emulation_depth = 0
+        self.after_optimizer_step = False
+        self.peaks: dict[str, tuple[int, str, dict[str, int]]] = {}
+
+    def _phase(self) -> str:
+        if self._in_opt:
+            return "optimizer_step"
+        if self.after_optimizer_step:
+            return "after_optimizer_step"
+        if self._mod_tracker.is_bw:
+            return "backward"
+        root = self._mod_tracker.get_known_fqn(self._root_mod)
+        return "forward" if root is not None and root in self._mod_tracker.parents else "other"
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        snapshot = self._curr_mem_snap.get(self.device)
+        if snapshot is None:
+            return
+        total = snapshot[_TOTAL]
+        for key in PEAKS if self.emulation_depth == 0 else PEAKS[:1]:
+            if total > self.peaks.get(key, (-1,))[0]:
+                self.peaks[key] = (total, self._phase(), {_label(k): int(v) for k, v in snapshot.items()})
+
+
 class TensorMemoryProbe(ProbeCallback):
     """Peak live tensor bytes per rank, by category, over the measured steps (``tensor_memory_rank<r>.json``).
 
@@ -166,27 +221,28 @@ class TensorMemoryProbe(ProbeCallback):
             raise ValueError(f"TensorMemoryProbe: warmup_steps={warmup_steps!r} must be an int >= 0.")
         self.warmup_steps = warmup_steps
         self._trainer_optimizers: list[torch.optim.Optimizer] = []
-        self._tracker: FSDPMemTracker | None = None
+        self._tracker: _Tracker | None = None
         self._active = False
-        self._best: dict[str, Any] | None = None
+        self._best: dict[str, dict[str, Any]] = {}
 
     # -- what the run summary reads -----------------------------------------------------------
-    def measurement(self) -> dict[str, Any] | None:
-        """This rank's result so far: ``{"peak_bytes", "peak_step", "phase", "by_category",
-        "by_component", "low_precision_storage_bytes"}``, or ``None`` before a measured step."""
-        return None if self._best is None else dict(self._best)
+    def measurement(self) -> dict[str, dict[str, Any]] | None:
+        """This rank's result so far, ``{peak: {"peak_bytes", "peak_step", "phase", "by_category",
+        "by_component"}}`` for each key of :data:`PEAKS`, or ``None`` before a measured step."""
+        return {key: dict(value) for key, value in self._best.items()} if self._best else None
 
     # -- probe hooks ----------------------------------------------------------------------------
     def _on_start(self) -> None:
         self._root = _fsdp_root(self._model)
         self._optimizers: list[torch.optim.Optimizer] = list(self._trainer_optimizers)
-        self._tracker, self._active = None, False
-        self._best = None
+        self._tracker, self._active, self._best = None, False, {}
         self._per_step: list[dict[str, Any]] = []
         self._keep(register_optimizer_step_post_hook(self._note_optimizer))
-        tensor = self._module("lp_lightning.tensor")
+        tensor, ops = self._module("lp_lightning.tensor"), self._module("lp_lightning.ops")
         if tensor is not None:
             self._keep(tensor.add_refresh_observer(self._relabel_refreshed))
+        if ops is not None:
+            self._keep(ops.add_range_observer(self._note_range))
         formats = self._module("lp_lightning.formats")
         self._compiled_before: bool | None = None
         if formats is not None:  # a dispatch mode disables torch.compile: say so by running eager
@@ -196,12 +252,18 @@ class TensorMemoryProbe(ProbeCallback):
     def _note_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not any(optimizer is known for known in self._optimizers):
             self._optimizers.append(optimizer)
+        if self._active and self._tracker is not None:
+            self._tracker.after_optimizer_step = True
+
+    def _note_range(self, event: tuple[str, bool]) -> None:
+        if self._active and self._tracker is not None:
+            self._tracker.emulation_depth += 1 if event[1] else -1
 
     def _relabel_refreshed(self, weight: Any) -> None:
         if self._active and self._tracker is not None:  # the new 8-bit storage is parameter state
             self._tracker._update_and_maybe_create_winfos(weight, self._sharded_param_type)
 
-    def _tracker_for_step(self) -> FSDPMemTracker:
+    def _tracker_for_step(self) -> _Tracker:
         if len(self._optimizers) > 1:
             raise ValueError(
                 f"TensorMemoryProbe: {len(self._optimizers)} optimizers stepped; FSDPMemTracker tracks one. "
@@ -209,7 +271,7 @@ class TensorMemoryProbe(ProbeCallback):
             )
         optimizer = self._optimizers[0] if self._optimizers else None
         if self._tracker is None:
-            self._tracker = FSDPMemTracker(self._root, optimizer)
+            self._tracker = _Tracker(self._root, optimizer, self._device)
             self._sharded_param_type = next(t for t in self._tracker._ref_class if t.value == _SHARDED_PARAM)
         elif optimizer is not None and self._tracker._optm is None:
             # Fabric: found at its first step; the tracker labels its state on the next entry and
@@ -220,32 +282,20 @@ class TensorMemoryProbe(ProbeCallback):
     def _on_step_start(self) -> None:
         tracker = self._tracker_for_step()
         tracker.reset_mod_stats()
-        self._phase_peaks = {"forward": -1, "backward": -1}
+        tracker.peaks, tracker.after_optimizer_step, tracker.emulation_depth = {}, False, 0
         tracker.__enter__()
         self._active = True
         # after the tracker's own (prepended) FSDP hook, so this one runs before it
         self._forward_hook = self._root.register_forward_pre_hook(self._new_root_forward, prepend=True)
 
-    def _harvest_phase_peaks(self) -> None:
-        stats = self._tracker.memory_tracking.get(self._root) if self._tracker is not None else None
-        if stats is None:
-            return
-        for state, snapshots in stats.snapshots.items():
-            phase = {"Peak Forward": "forward", "Peak Backward": "backward"}.get(_label(state))
-            for snapshot in snapshots if phase else ():
-                total = snapshot.get(self._device, {}).get(_TOTAL, -1)
-                self._phase_peaks[phase] = max(self._phase_peaks[phase], total)
-
     def _new_root_forward(self, *_: Any) -> None:
         assert self._tracker is not None
-        self._harvest_phase_peaks()
         self._tracker.reset_mod_stats()  # one more forward of the root in this step (accumulation)
 
     def _leave(self) -> None:
         if not self._active:
             return
         self._forward_hook.remove()
-        self._harvest_phase_peaks()
         assert self._tracker is not None
         self._tracker.__exit__(None, None, None)
         self._active = False
@@ -270,21 +320,25 @@ class TensorMemoryProbe(ProbeCallback):
     def _on_step_end(self, info: StepInfo) -> dict[str, float | None]:
         self._leave()
         assert self._tracker is not None
-        peak = {_label(k): int(v) for k, v in self._tracker.get_tracker_snapshot("peak").get(self._device, {}).items()}
-        total = peak.get(_TOTAL, 0)
+        peaks = self._tracker.peaks
         end = self._tracker.get_tracker_snapshot("current").get(self._device, {}).get(_TOTAL, 0)
-        phase = next((p for p, v in self._phase_peaks.items() if v == total), "outside_forward_backward")
         measured = self._steps + 1 > self.warmup_steps
-        self._per_step.append({"step": info.step, "peak_bytes": total, "end_bytes": end, "measured": measured,
-                               "phase": phase})
-        if measured and (self._best is None or total > self._best["peak_bytes"]):
-            low = self._low_precision_storage_bytes()
-            self._best = {
-                "peak_bytes": total, "peak_step": info.step, "phase": phase,
-                "by_category": {k: v for k, v in peak.items() if k != _TOTAL},
-                "by_component": components_of(peak, low), "low_precision_storage_bytes": low,
-            }  # fmt: skip
-        return {"tensor_peak_bytes": total}
+        record: dict[str, Any] = {"step": info.step, "end_bytes": end, "measured": measured}
+        for key in PEAKS:
+            total, phase, _ = peaks.get(key, (0, None, {}))
+            record[f"{key}_bytes"], record[f"{key}_phase"] = total, phase
+        self._per_step.append(record)
+        if measured:
+            low = None
+            for key, (total, phase, by_category) in peaks.items():
+                if key in self._best and total <= self._best[key]["peak_bytes"]:
+                    continue
+                low = self._low_precision_storage_bytes() if low is None else low
+                categories = {k: v for k, v in by_category.items() if k != _TOTAL}
+                self._best[key] = {"peak_bytes": total, "peak_step": info.step, "phase": phase,
+                                   "by_category": categories, "by_component": components_of(categories, low),
+                                   "low_precision_storage_bytes": low}
+        return {f"tensor_{key}_peak_bytes": record[f"{key}_bytes"] for key in PEAKS}
 
     def _on_stop(self) -> None:
         self._leave()
@@ -293,14 +347,10 @@ class TensorMemoryProbe(ProbeCallback):
             self._compiled_before = None
 
     def _payload(self) -> dict[str, Any]:
-        best = self._best or {}
-        return {
-            "source": SOURCE, "counted": COUNTED, "warmup_steps": self.warmup_steps, "device": str(self._device),
-            "per_step": self._per_step, "peak_bytes": best.get("peak_bytes"), "peak_step": best.get("peak_step"),
-            "phase": best.get("phase"), "by_category": best.get("by_category"),
-            "by_component": best.get("by_component"),
-            "low_precision_storage_bytes": best.get("low_precision_storage_bytes"),
-        }  # fmt: skip
+        empty = dict.fromkeys(("peak_bytes", "peak_step", "phase", "by_category", "by_component",
+                               "low_precision_storage_bytes"))
+        return {"source": SOURCE, "counted": COUNTED, "warmup_steps": self.warmup_steps, "device": str(self._device),
+                "per_step": self._per_step, **{key: self._best.get(key, empty) for key in PEAKS}}
 
     # -- Trainer hooks: the optimizer and the batch --------------------------------------------
     @override

@@ -33,9 +33,10 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _train(probe: TensorMemoryProbe, model: nn.Module, out_dir, *, steps: int = 3, refresh=None) -> dict:
+def _train(probe: TensorMemoryProbe, model: nn.Module, out_dir, *, steps: int = 3, refresh=None,
+           x: torch.Tensor | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    x = torch.randn(BATCH, IN)
+    x = torch.randn(BATCH, IN) if x is None else x
     probe.on_probe_start(model=model, rank=0, world_size=1, out_dir=str(out_dir))
     for i in range(steps):
         probe.on_probe_step_start(step=i)
@@ -64,17 +65,19 @@ def test_linear_adamw_parameters_moments_and_inputs_are_exact(one_rank, tmp_path
     assert [s["measured"] for s in result["per_step"]] == [False, True, True]
     # between steps (gradients set to None): parameters, moments and the batch, nothing else
     assert [s["end_bytes"] for s in result["per_step"][1:]] == [params + moments + inputs] * 2
-    category = result["by_category"]
-    # the peak is in the backward of the loss (square, mean: outside the root module), where the
-    # activation gradients live, not in optimizer.step: OptState is the moments alone
-    assert result["phase"] == "outside_forward_backward" and category["Temp"] > 0
+    peak = result["all_ops"]
+    category = peak["by_category"]
+    # the peak is in the backward of the loss (square, mean), where the activation gradients
+    # live, not in optimizer.step: OptState is the moments alone
+    assert peak["phase"] == "backward" and category["Temp"] > 0
     assert category["Sharded Param"] == params and category["OptState"] == moments
     assert category["Unsharded Param"] == params  # the one-rank all-gather output, viewed by the Parameters
     assert category["Inputs"] == inputs and category["Activation"] > 0
-    assert result["peak_bytes"] == sum(category.values()) == max(s["peak_bytes"] for s in result["per_step"][1:])
-    component = result["by_component"]
+    assert peak["peak_bytes"] == sum(category.values()) == max(s["all_ops_bytes"] for s in result["per_step"][1:])
+    component = peak["by_component"]
     assert component["master"] == params and component["low_precision_storage"] == 0
-    assert component["optimizer"] == moments and sum(component.values()) == result["peak_bytes"]
+    assert component["optimizer"] == moments and sum(component.values()) == peak["peak_bytes"]
+    assert result["outside_emulation"] == peak  # no low-precision op: the two peaks agree
     assert (tmp_path / "tensor_memory_rank0.json").is_file()
 
 
@@ -97,11 +100,33 @@ def test_low_precision_weight_master_and_storage_are_counted_once(one_rank, tmp_
     params = (IN * IN + IN) * F32
     moments = 2 * params + 2 * F32
     inputs = BATCH * IN * F32
-    assert result["low_precision_storage_bytes"] == storage
-    assert result["by_category"]["Sharded Param"] == params + storage
-    assert result["by_component"]["master"] == params and result["by_component"]["low_precision_storage"] == storage
+    for key in ("all_ops", "outside_emulation"):
+        peak = result[key]
+        assert peak["low_precision_storage_bytes"] == storage
+        assert peak["by_category"]["Sharded Param"] == params + storage
+        assert peak["by_component"]["master"] == params and peak["by_component"]["low_precision_storage"] == storage
     # the refreshed storage replaced the old one: one copy alive between steps
     assert [s["end_bytes"] for s in result["per_step"][1:]] == [params + storage + moments + inputs] * 2
+    assert result["outside_emulation"]["peak_bytes"] <= result["all_ops"]["peak_bytes"]
+
+
+def test_the_emulated_kernels_working_buffers_are_only_in_the_all_ops_peak(one_rank, tmp_path):
+    from lp_lightning.formats import recipe_for
+    from lp_lightning.integration import finalize_low_precision_weights, refresh_low_precision_weights
+    from lp_lightning.modules import LowPrecisionLinear
+
+    width = 512  # a big weight and a small batch: the refresh's eager codec buffers make the peak
+    model = LowPrecisionLinear.from_linear(nn.Linear(width, width), fqn="proj", recipe=recipe_for("hif8"))
+    finalize_low_precision_weights(model, recipe="hif8", build=False)
+    fully_shard(model, mesh=one_rank)
+    refresh_low_precision_weights(model.parameters())
+    result = _train(TensorMemoryProbe(warmup_steps=1), model, tmp_path, refresh=refresh_low_precision_weights,
+                    x=torch.randn(4, width))
+    everything, outside = result["all_ops"], result["outside_emulation"]
+    assert everything["phase"] == "after_optimizer_step"  # the refresh of the 8-bit storage
+    weight = width * width * F32
+    assert everything["peak_bytes"] - outside["peak_bytes"] > 4 * weight  # eager HiF8 encode: ~80 B/element
+    assert outside["by_component"]["low_precision_storage"] == everything["by_component"]["low_precision_storage"]
 
 
 def test_a_view_of_an_activation_adds_no_bytes(one_rank, tmp_path):
@@ -201,10 +226,13 @@ def test_trainer_run_counts_every_live_tensor_and_fills_the_run_summary(tmp_path
     for step in check.checks:
         assert step["untracked_new"] == [] and step["tracked_live_bytes"] == step["end_bytes"]
     result = probe.result
-    assert summary["peak_tensor_bytes"] == result["peak_bytes"] == summary["peak_tensor_bytes_per_rank"][0]
-    assert summary["peak_tensor_bytes_by_category"] == [result["by_component"]]
+    for key, prefix in (("all_ops", "peak_tensor_bytes"), ("outside_emulation", "peak_tensor_bytes_outside_emulation")):
+        peak = result[key]
+        assert summary[prefix] == peak["peak_bytes"] == summary[f"{prefix}_per_rank"][0]
+        assert summary[f"{prefix}_by_category"] == [peak["by_component"]]
+        masters = sum(p.to_local().numel() * 4 for p in module.model.parameters())
+        assert peak["by_component"]["master"] == masters and peak["by_component"]["low_precision_storage"] > 0
+        assert peak["by_category"]["Inputs"] == 2 * 4 * 32 * 8  # input_ids and labels: [4, 32] int64
+    assert summary["peak_tensor_bytes_outside_emulation"] <= summary["peak_tensor_bytes"]
     assert summary["tensor_memory_source"] == "torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker"
-    masters = sum(p.to_local().numel() * 4 for p in module.model.parameters())
-    assert result["by_component"]["master"] == masters and result["by_component"]["low_precision_storage"] > 0
-    assert result["by_category"]["Inputs"] == 2 * 4 * 32 * 8  # input_ids and labels: [4, 32] int64
     assert summary["peak_memory_source"] == "ru_maxrss"  # the RSS keys are unchanged
