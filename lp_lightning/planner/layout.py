@@ -115,7 +115,6 @@ class ModelLayout:
         params: Every parameter, in ``named_parameters`` order.
         buffer_bytes: Bytes of the model's buffers (not sharded: every rank holds them).
         layers: Decoder-layer FQNs (the recompute units).
-        units: ``fully_shard`` unit FQNs, innermost first, the root (``""``) last.
         placements: One ``WeightPlacement`` per low-precision weight (the rule's verdict, before the
             fallback); ``()`` in bf16.
         sharding: The placements after ``fallback_to_unsharded`` (``None`` in bf16); when the run
@@ -136,7 +135,6 @@ class ModelLayout:
     params: tuple[ParamRecord, ...]
     buffer_bytes: int
     layers: tuple[str, ...]
-    units: tuple[str, ...]
     placements: tuple[WeightPlacement, ...]
     sharding: LowPrecisionShardingPlan | None
     replicated_if_fallback: frozenset[str]
@@ -216,11 +214,15 @@ def _meta_model(spec: str, config_overrides: Mapping[str, Any] | None) -> nn.Mod
     return model
 
 
-def reference_low_precision_weights(spec: str, config_overrides: Mapping[str, Any] | None) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(fqn, kind, shape)`` of the weights the default plan makes low precision (any low-precision recipe)."""
+def reference_low_precision_weights(
+    spec: str, config_overrides: Mapping[str, Any] | None
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(fqn, kind, shape)`` of the weights the default plan makes low precision (the same in every
+    low-precision recipe), for a bf16 run's bytes-per-parameter table."""
     meta = _meta_model(spec, config_overrides)
-    LowPrecisionPlugin("mxfp8").compile_plan(meta).apply(meta)
-    return [(p.fqn, p.kind, p.shape) for p in planned_placements(meta, 1, "mxfp8_e4m3")]
+    plugin = LowPrecisionPlugin(next(p for p in SUPPORTED_PRECISIONS if p != "bf16"))
+    plugin.compile_plan(meta).apply(meta)
+    return [(p.fqn, p.kind, p.shape) for p in planned_placements(meta, 1, plugin.policy.format.value)]
 
 
 def build_layout(
@@ -292,7 +294,6 @@ def build_layout(
         params=tuple(records),
         buffer_bytes=sum(b.numel() * b.element_size() for b in meta.buffers()),
         layers=layers,
-        units=(*inner_units, *layers, ROOT),
         placements=placements,
         sharding=sharding,
         replicated_if_fallback=replicated_if_fallback,

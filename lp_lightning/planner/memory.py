@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from lp_lightning.formats.spec import as_spec
+from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS
 from lp_lightning.planner.activations import ActivationEstimate, deepseek_v3_activations
 from lp_lightning.planner.layout import (
     ROOT,
@@ -65,8 +66,8 @@ COMPONENTS: tuple[str, ...] = (
 )
 """The keys of ``MemoryPlan.per_rank_bytes`` besides ``total`` (module docstring)."""
 
-RECIPES: tuple[str, ...] = ("bf16", "mxfp8", "hif8")
-"""The recipes of the bytes-per-parameter table."""
+RECIPES: tuple[str, ...] = SUPPORTED_PRECISIONS
+"""The recipes of the bytes-per-parameter table (every ``--precision``)."""
 
 _MASTER = torch.float32.itemsize  # FP32 master, FP32 moments, FP32 sharded gradient (design spec §10)
 
