@@ -155,8 +155,10 @@ def test_bf16_run_imports_no_low_precision_module(tmp_path):
     assert profile["window"] == [1, 1] and profile["categories_s"]["high_precision_mm"] > 0
     assert profile["categories_s"]["quantize"] == profile["categories_s"]["low_precision_mm"] == 0
     memory = probe("tensor_memory")  # the same measurement as an 8-bit run, with no 8-bit storage
-    assert summary["peak_tensor_bytes"] == memory["peak_bytes"] > 0
-    assert memory["by_component"]["low_precision_storage"] == 0 and memory["by_component"]["master"] > 0
+    assert summary["peak_tensor_bytes"] == memory["all_ops"]["peak_bytes"] > 0
+    assert memory["outside_emulation"] == memory["all_ops"]  # no emulated kernel runs in bf16
+    assert memory["all_ops"]["by_component"]["low_precision_storage"] == 0
+    assert memory["all_ops"]["by_component"]["master"] > 0
 
     def imported(names: list[str], modules: list[str]) -> list[str]:
         loaded = set(modules)
