@@ -2,6 +2,7 @@
 
 Each event kind owns one :class:`Observers` list in the layer that emits it —
 ``lp_lightning.ops.add_gemm_observer`` (every low-precision GEMM),
+``lp_lightning.ops.add_range_observer`` (begin and end of every quantise/GEMM backend call),
 ``lp_lightning.integration.add_gather_observer`` (every low-precision pre-all-gather) and
 ``lp_lightning.tensor.add_refresh_observer`` (every storage build). Probes observe through these
 hooks only; they never wrap a method or read private state. Observers run synchronously in the

@@ -7,8 +7,8 @@ A fresh subprocess (so no other test's imports leak in) runs the bf16 path the w
 2. ``lp-lightning fit --precision bf16 --trainer.max_steps 1`` in-process (``runpy``, one process,
    CPU): the LightningModule's ``configure_model``, the FSDP2 strategy (plugin ``convert_module``,
    upcast, ``fully_shard``), forward + backward, the optimizer step, validation and a checkpoint,
-   with every probe callback of ``lp_lightning.lightning.probe_callbacks`` (their files are checked:
-   present, nothing low-precision in them).
+   with every probe callback of ``lp_lightning.lightning.probe_callbacks`` and the tensor-memory
+   probe (their files are checked: present, nothing low-precision in them).
 
 Then ``sys.modules`` is compared with the FULL list of low-precision modules, computed by walking
 the source tree (files, not imports) of ``lp_lightning/{formats,ops,functional,modules,tensor,
@@ -107,6 +107,7 @@ _SCRIPT = textwrap.dedent(
           ("RefreshProbe", "GemmTraceProbe", "GatherTraceProbe", "ScaleStatsProbe", "StepRecordProbe")],
         "--trainer.callbacks+=lp_lightning.lightning.ProfilerProbe", "--trainer.callbacks.start_step=1",
         "--trainer.callbacks.steps=1",
+        "--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe", "--trainer.callbacks.warmup_steps=0",
     ]
     try:
         runpy.run_module("lp_lightning.cli", run_name="__main__", alter_sys=True)
@@ -153,6 +154,11 @@ def test_bf16_run_imports_no_low_precision_module(tmp_path):
     profile = probe("profile")
     assert profile["window"] == [1, 1] and profile["categories_s"]["high_precision_mm"] > 0
     assert profile["categories_s"]["quantize"] == profile["categories_s"]["low_precision_mm"] == 0
+    memory = probe("tensor_memory")  # the same measurement as an 8-bit run, with no 8-bit storage
+    assert summary["peak_tensor_bytes"] == memory["all_ops"]["peak_bytes"] > 0
+    assert memory["outside_emulation"] == memory["all_ops"]  # no emulated kernel runs in bf16
+    assert memory["all_ops"]["by_component"]["low_precision_storage"] == 0
+    assert memory["all_ops"]["by_component"]["master"] > 0
 
     def imported(names: list[str], modules: list[str]) -> list[str]:
         loaded = set(modules)

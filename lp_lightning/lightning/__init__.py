@@ -9,6 +9,7 @@ importable (:func:`~lp_lightning.lightning.accelerator.register_npu_accelerator`
 from lp_lightning.lightning.accelerator import NPUAccelerator, NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback, checkpoint_dirname
 from lp_lightning.lightning.datamodule import PretrainDataModule
+from lp_lightning.lightning.memory_probe import TensorMemoryProbe
 from lp_lightning.lightning.module import DeepSeekV3LM, warmup_cosine_factor
 from lp_lightning.lightning.precision import (
     SUPPORTED_PRECISIONS,
@@ -49,6 +50,7 @@ __all__ = [
     "RunSummaryCallback",
     "ScaleStatsProbe",
     "StepRecordProbe",
+    "TensorMemoryProbe",
     "checkpoint_dirname",
     "register_npu_accelerator",
     "warmup_cosine_factor",

@@ -46,6 +46,22 @@ key                          meaning
                              ``max_memory_allocated`` of the device
 ``peak_memory_bytes_per_rank`` the same value of every rank, in rank order
 ``peak_memory_source``       ``"ru_maxrss"`` or ``"max_memory_allocated"``
+``peak_tensor_bytes``        max over ranks of the peak live tensor bytes of the measured steps
+                             (:class:`~lp_lightning.lightning.memory_probe.TensorMemoryProbe`:
+                             live untyped storages, each once; no allocator cache, no Python
+                             objects; the same measurement for bf16 and 8-bit runs), after every
+                             op; ``null`` (as every ``peak_tensor_bytes*`` key) unless that probe
+                             ran and measured a step
+``peak_tensor_bytes_per_rank`` the same value of every rank, in rank order
+``peak_tensor_bytes_by_category`` per rank (rank order), ``{component: bytes}`` at that rank's
+                             peak: ``master``, ``low_precision_storage``, ``optimizer``,
+                             ``gradients``, ``all_gather_buffers``, ``unsharded_gradients``,
+                             ``activations``, ``buffers`` (the memory planner's components)
+``peak_tensor_bytes_outside_emulation`` (and ``_per_rank``, ``_by_category``) the same peak
+                             taken only after ops outside the emulated quantise/GEMM backend
+                             calls (their working buffers left out, their results counted; equal
+                             in bf16): the figure to compare with ``lp-lightning plan``
+``tensor_memory_source``     the tracker (``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``)
 ``checkpoints``              checkpoint folders written by this call, in order
 ``versions``                 ``lp_lightning``, ``git_commit`` (``-dirty`` with local changes),
                              ``python``, ``torch``, ``torch_npu``, ``cann``, ``lightning``,
@@ -227,6 +243,14 @@ WARMUP_STEPS = 5
 compilation), at most all but one."""
 
 
+_NO_TENSOR_MEMORY: dict[str, Any] = {
+    **{f"{prefix}{suffix}": None for prefix in ("peak_tensor_bytes", "peak_tensor_bytes_outside_emulation")
+       for suffix in ("", "_per_rank", "_by_category")},
+    "tensor_memory_source": None,
+}
+"""The ``peak_tensor_bytes*`` keys of a run without a measured :class:`TensorMemoryProbe` step."""
+
+
 def _threads() -> dict[str, Any]:
     return {
         "torch_intra_op": torch.get_num_threads(),
@@ -302,6 +326,7 @@ class RunSummaryCallback(Callback):
         self._step_times: list[float] = []
         self._local_tokens = 0
         self._peak: tuple[list[int], str] = ([], "ru_maxrss")
+        self._tensor_memory: dict[str, Any] = {}
         self._load_start: list[float] | None = None
 
     @override
@@ -393,7 +418,30 @@ class RunSummaryCallback(Callback):
         self._stop_recorders()
         peak, source = _peak_memory_bytes(trainer.strategy.root_device)
         self._peak = (self._gather(trainer, peak), source)
+        self._tensor_memory = self._gather_tensor_memory(trainer)
         self._local_tokens = self._reduce(trainer, self._local_tokens, dist.ReduceOp.SUM)
+
+    def _gather_tensor_memory(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The ``peak_tensor_bytes*`` keys from a :class:`TensorMemoryProbe` among the callbacks (collective)."""
+        from lp_lightning.lightning.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
+
+        probe = next((c for c in trainer.callbacks if isinstance(c, TensorMemoryProbe)), None)  # type: ignore[attr-defined]
+        if probe is None:
+            return dict(_NO_TENSOR_MEMORY)
+        result = probe.measurement() or {}
+        keys: dict[str, Any] = {"tensor_memory_source": SOURCE}
+        for peak, prefix in (("all_ops", "peak_tensor_bytes"), ("outside_emulation", "peak_tensor_bytes_outside_emulation")):
+            local = result.get(peak)
+            peaks = self._gather(trainer, -1 if local is None else local["peak_bytes"])
+            parts = {name: self._gather(trainer, 0 if local is None else local["by_component"][name])
+                     for name in COMPONENTS}
+            measured = min(peaks) >= 0  # else some rank measured no step (max_steps <= warmup_steps)
+            keys[prefix] = max(peaks) if measured else None
+            keys[f"{prefix}_per_rank"] = peaks if measured else None
+            keys[f"{prefix}_by_category"] = (
+                [{name: parts[name][r] for name in COMPONENTS} for r in range(len(peaks))] if measured else None
+            )
+        return keys
 
     def _precision_and_backend(self, trainer: pl.Trainer) -> tuple[str, str]:
         plugin = trainer.precision_plugin
@@ -441,6 +489,7 @@ class RunSummaryCallback(Callback):
             "peak_memory_bytes": max(self._peak[0], default=0),
             "peak_memory_bytes_per_rank": list(self._peak[0]),
             "peak_memory_source": self._peak[1],
+            **(self._tensor_memory or _NO_TENSOR_MEMORY),
             "checkpoints": checkpoints,
             "versions": software_versions(),
             "global_step": trainer.global_step,

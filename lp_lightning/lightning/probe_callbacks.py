@@ -34,8 +34,9 @@ names prefixed ``probe/``: ``refreshes``, ``gemms``, ``gathers_pre`` / ``gathers
 once the profiled window closes.
 
 The common driver is :class:`~lp_lightning.lightning.probe_base.ProbeCallback`;
-:class:`ScaleStatsProbe` lives in :mod:`~lp_lightning.lightning.scale_probe` and
-:class:`ProfilerProbe` in :mod:`~lp_lightning.lightning.profile_probe` (both exported here).
+:class:`ScaleStatsProbe` lives in :mod:`~lp_lightning.lightning.scale_probe`,
+:class:`ProfilerProbe` in :mod:`~lp_lightning.lightning.profile_probe` and
+:class:`TensorMemoryProbe` in :mod:`~lp_lightning.lightning.memory_probe` (all exported here).
 
 **Files.** Each probe writes, on every rank at the end of training, one JSON file
 ``<out_dir>/<kind>_rank<r>.json`` (``out_dir`` default ``<default_root_dir>/probes``), top level
@@ -80,6 +81,10 @@ probe (kind)                 what it adds
                              ``{"start", "end"}``
 :class:`ProfilerProbe`       see :mod:`lp_lightning.lightning.profile_probe` (``window``,
 (``profile``)                ``wall_s``, ``categories_s``, ``shares``, ``top_ops``)
+:class:`TensorMemoryProbe`   see :mod:`lp_lightning.lightning.memory_probe` (``peak_bytes``: peak
+(``tensor_memory``)          live tensor bytes of the measured steps, ``by_category``,
+                             ``by_component``, ``phase``, ``per_step``); also fills the
+                             ``peak_tensor_bytes*`` keys of ``run_summary.json``
 ============================ ===================================================================
 
 ``amax`` is the event's precomputed amax (the cross-rank MAX of a HiF8 dense weight) when the
@@ -101,6 +106,7 @@ from typing import Any
 import torch
 
 from lp_lightning.lightning.callbacks import _load_average, _peak_memory_bytes, _threads
+from lp_lightning.lightning.memory_probe import TensorMemoryProbe
 from lp_lightning.lightning.probe_base import ProbeCallback, StepInfo
 from lp_lightning.lightning.probes import _dtype_name
 from lp_lightning.lightning.profile_probe import ProfilerProbe
@@ -115,6 +121,7 @@ __all__ = [
     "ScaleStatsProbe",
     "StepInfo",
     "StepRecordProbe",
+    "TensorMemoryProbe",
 ]
 
 

@@ -5,7 +5,7 @@
 - :mod:`lp_lightning.ops.backend` — the ``Backend`` protocol, the backend registry and the choice
   (``auto``, ``emulated``, ``npu``);
 - :mod:`lp_lightning.ops.emulated`, :mod:`lp_lightning.ops.npu` — one file per backend;
-- :mod:`lp_lightning.ops.trace` — GEMM roles, the public GEMM and quantize observers, the
+- :mod:`lp_lightning.ops.trace` — GEMM roles, the public GEMM, quantize and range observers, the
   profiler labels.
 
 Importing this package never imports ``torch_npu``; only using the ``npu`` backend does.
@@ -35,6 +35,7 @@ from lp_lightning.ops.trace import (
     QuantizeTraceEvent,
     add_gemm_observer,
     add_quantize_observer,
+    add_range_observer,
     current_gemm_role,
     current_weight_fqn,
     gemm_role,
@@ -52,6 +53,7 @@ __all__ = [
     "QuantizeTraceEvent",
     "add_gemm_observer",
     "add_quantize_observer",
+    "add_range_observer",
     "backend_names",
     "current_gemm_role",
     "current_weight_fqn",

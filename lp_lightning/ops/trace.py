@@ -23,7 +23,9 @@ the scale probes read amax and scales from it on the steps they sample.
 Profiler labels: while ``torch.profiler`` is recording, quantisation runs inside the range
 ``"lp_lightning::quantize"`` (:data:`QUANTIZE_LABEL`) and the GEMMs inside
 ``"lp_lightning::matmul"`` / ``"lp_lightning::grouped_matmul"``; with the profiler off no range is
-opened (:func:`profiled`).
+opened (:func:`profiled`). Range observers (:func:`add_range_observer`) are told when each such
+backend call begins and ends, profiler or not (the tensor-memory probe leaves the backend's
+working buffers out of its second peak this way).
 
 An exception raised by an observer propagates to the caller (a broken probe must be seen).
 """
@@ -53,6 +55,7 @@ __all__ = [
     "QuantizeTraceEvent",
     "add_gemm_observer",
     "add_quantize_observer",
+    "add_range_observer",
     "current_gemm_role",
     "current_weight_fqn",
     "emit",
@@ -74,8 +77,41 @@ GROUPED_MATMUL_LABEL = "lp_lightning::grouped_matmul"
 _NO_RANGE = contextlib.nullcontext()
 
 
+_RANGE_OBSERVERS: Observers[tuple[str, bool]] = Observers("add_range_observer")
+
+
+def add_range_observer(observer: Callable[[tuple[str, bool]], None]) -> ObserverHandle:
+    """Register ``observer((label, entering))``, called when a backend call of the ops layer begins
+    (``entering=True``) and when it returns or raises (``False``), in every thread.
+
+    ``label`` is :data:`QUANTIZE_LABEL` (``quantize`` / ``quantize_dual``), :data:`MATMUL_LABEL` or
+    :data:`GROUPED_MATMUL_LABEL`; the range holds the backend's work only (its result is returned
+    after the end). Calls nest in no other range of the ops layer.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the observer (also a context manager).
+
+    Raises:
+        TypeError: if ``observer`` is not callable.
+    """
+    return _RANGE_OBSERVERS.add(observer)
+
+
+@contextlib.contextmanager
+def _observed_range(label: str) -> Iterator[None]:
+    _RANGE_OBSERVERS.notify((label, True))
+    try:
+        with torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else _NO_RANGE:
+            yield
+    finally:
+        _RANGE_OBSERVERS.notify((label, False))
+
+
 def profiled(label: str) -> ContextManager[object]:
-    """``torch.profiler.record_function(label)`` while the profiler records, else a no-op context."""
+    """The range of one backend call: ``torch.profiler.record_function(label)`` while the profiler
+    records, the range observers' begin/end while any is registered, else a no-op context."""
+    if _RANGE_OBSERVERS:
+        return _observed_range(label)
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function(label)
     return _NO_RANGE

@@ -25,10 +25,13 @@ for the shard sizes):
 
 They do not all coexist. ``total`` is the largest of three phases (``MemoryPlan.phases``), each
 ``master + optimizer + low_precision_storage + buffers`` plus: **loss** (end of forward, start of
-backward) ``activations + loss_logits`` (+ every gathered unit without ``reshard_after_forward``);
-**backward** (the last decoder layer) ``activations + all_gather_buffers + unsharded_gradients``;
-**optimizer step** ``gradients + optimizer_step_temporaries``. Gradients are set to ``None`` after
-every step (Lightning's ``zero_grad``), i.e. ``accumulate_grad_batches: 1``.
+backward) ``gradients + activations + loss_logits`` (+ every gathered unit without
+``reshard_after_forward``); **backward** (the last decoder layer) ``activations +
+all_gather_buffers + unsharded_gradients``; **optimizer step** ``gradients +
+optimizer_step_temporaries``. The previous step's sharded gradients are alive through the forward
+and the loss: Lightning's automatic optimization runs ``training_step``, then ``zero_grad`` (to
+``None``), then ``backward`` (``Closure.closure`` in ``lightning/pytorch/loops/optimization/
+automatic.py``), so they are freed only when backward starts; ``accumulate_grad_batches: 1``.
 """
 
 from __future__ import annotations
@@ -183,7 +186,9 @@ def plan_memory(
     components, in_flight, gathered_at_loss = _components(layout, acts)
     steady = sum(components[k] for k in ("master", "optimizer", "low_precision_storage", "buffers"))
     phases = {
-        "loss": steady + components["activations"] + components["loss_logits"] + gathered_at_loss,
+        # the previous step's gradients: Lightning zeroes them after training_step (module docstring)
+        "loss": steady + components["gradients"] + components["activations"] + components["loss_logits"]
+        + gathered_at_loss,
         "backward": steady + components["activations"] + components["all_gather_buffers"]
         + components["unsharded_gradients"],
         "optimizer_step": steady + components["gradients"] + components["optimizer_step_temporaries"],

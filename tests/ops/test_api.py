@@ -19,6 +19,7 @@ from lp_lightning.ops import (
     LowPrecisionUnsupportedError,
     add_gemm_observer,
     add_quantize_observer,
+    add_range_observer,
     current_gemm_role,
     current_weight_fqn,
     gemm_role,
@@ -263,6 +264,34 @@ def test_profiler_ranges_only_while_the_profiler_records(monkeypatch):
     monkeypatch.setattr(torch.profiler, "record_function", fail)
     quantize(MX, torch.randn(M, K), orientation="row")
     low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+
+
+def test_range_observers_see_every_backend_call_begin_and_end_with_or_without_the_profiler(monkeypatch):
+    from torch.profiler import ProfilerActivity, profile
+
+    from lp_lightning.ops.emulated import EmulatedBackend
+
+    left, right, layout, _ = _dense_case("mxfp8", "fprop")
+    gl, gr, glayout, _ = _grouped_case("mxfp8", "fprop")
+    ranges = []
+    with add_range_observer(ranges.append):
+        quantize(MX, torch.randn(M, K), orientation="row")
+        quantize_dual(MX, torch.randn(N, K))
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # both: the profiler range and the observers
+            low_precision_grouped_matmul(gl, gr, GROUPS, layout=glayout, output_dtype=torch.bfloat16)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("backend failed")
+
+        monkeypatch.setattr(EmulatedBackend, "matmul", broken)
+        with pytest.raises(RuntimeError, match="backend failed"):  # a failing backend call still ends its range
+            low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+    quantize(MX, torch.randn(M, K), orientation="row")  # removed: not seen
+    q, mm, gmm = "lp_lightning::quantize", "lp_lightning::matmul", "lp_lightning::grouped_matmul"
+    assert ranges == [(q, True), (q, False), (q, True), (q, False), (mm, True), (mm, False), (gmm, True),
+                      (gmm, False), (mm, True), (mm, False)]
+    assert [e.name for e in prof.events()].count(gmm) == 1
 
 
 # ------------------------------------------------------------------------------------------------
