@@ -96,6 +96,7 @@ __all__ = [
     "load_dcp_checkpoint",
     "model_state_dict",
     "newest_intact_checkpoint",
+    "older_checkpoints",
     "optimizer_state_dict",
     "save_dcp_checkpoint",
     "verify_dcp_checkpoint",
@@ -220,8 +221,8 @@ def save_dcp_checkpoint(
     bad = first_nonfinite(flatten_state(state))
     if bad is not None and not allow_nonfinite:
         raise NonFiniteStateError(
-            f"not saving {path.name}: {bad!r} holds NaN/Inf, and a checkpoint is never written from a non-finite "
-            "state; the checkpoints already on disk are kept.",
+            f"checkpoint {path.name} not written: {bad!r} holds NaN/Inf, and a checkpoint is never written from a "
+            "non-finite state (the ones on disk are kept).",
             reason="non-finite state at checkpoint save", fqn=bad,
         )
     staging = path.parent / f".{path.name}.partial"
@@ -523,3 +524,13 @@ def newest_intact_checkpoint(
         if on_skip is not None:
             on_skip(candidate, problem)
     return None
+
+
+def older_checkpoints(path: str | Path) -> list[Path]:
+    """The ``step-*`` siblings of ``path`` written before it, newest first (all siblings when ``path`` is not one)."""
+    path = Path(path)
+    folders = checkpoint_folders(path.parent)
+    resolved = [p.resolve() for p in folders]
+    if path.resolve() in resolved:
+        return folders[resolved.index(path.resolve()) + 1:]
+    return folders

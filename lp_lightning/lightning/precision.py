@@ -35,6 +35,20 @@ a step skipped by AMP's grad scaler. A step whose parameters have no gradient at
 micro-batch's ``training_step`` returned ``None``) is a no-op: ``optimizer.step()`` is not called,
 nothing is refreshed and it is not counted as applied.
 
+The non-finite guard (docs/architecture.md, "The non-finite guard"). A skipped step is diagnosed
+(one fused NaN/Inf check over all ranks, :func:`~lp_lightning.distributed.finite.first_nonfinite`):
+its ``reason`` is ``"non-finite master weight"`` when a master holds NaN/Inf, else
+``"non-finite gradient"`` (with the first parameter whose gradient does) or ``"gradient norm
+overflow"`` (every gradient finite, their norm is not); each one is logged and kept in
+:attr:`~LowPrecisionFabricPlugin.nonfinite_events`. After every applied step the masters are
+checked too, from the amax the refresh computes anyway (low-precision weights) and one amax per
+plain parameter. The run stops with :class:`~lp_lightning.distributed.finite.NonFiniteStateError`
+(on every rank alike, before the step's checkpoint) when
+
+* ``max_consecutive_skips`` steps in a row were skipped (``0``: never for this reason), or
+* a master weight holds NaN/Inf, at once: a skipped step leaves it as it is and an AdamW step
+  keeps a NaN/Inf, so the run cannot recover.
+
 Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("mxfp8")]``), which
 bypasses the built-in precision strings of Lightning's connector. There is no
 autocast: FSDP2's ``MixedPrecisionPolicy`` casts the gathered plain weights to BF16, the
@@ -58,6 +72,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
+from lp_lightning.distributed.finite import NonFiniteStateError, first_nonfinite
 from lp_lightning.distributed.fsdp import default_mixed_precision_policy, total_grad_norm
 from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, PrecisionName
 
@@ -90,6 +105,13 @@ BackendChoice = Literal["auto", "emulated", "npu"]
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "emulated", "npu")
 """Runtime form of :data:`BackendChoice` (tested equal to ``"auto"`` + the registered op backends)."""
 
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 3
+"""Default of ``max_consecutive_skips`` (``--nonfinite.max_consecutive_skips``)."""
+
+NONFINITE_MASTER = "non-finite master weight"
+NONFINITE_GRADIENT = "non-finite gradient"
+NORM_OVERFLOW = "gradient norm overflow"
+
 
 class LowPrecisionFabricPlugin(FabricPrecision):
     """Fabric precision plugin of the FSDP2 job: BF16 baseline, or MXFP8 / HiF8 GEMMs.
@@ -110,12 +132,19 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             ``plan_overrides`` YAML (``configs/plan_deepseek_v3.yaml``); ``None`` uses the model
             adapter's ``default_replacement_rules`` of the model's config
             (:class:`~lp_lightning.models.adapter.ModelAdapter`). Ignored in ``bf16``.
+        max_consecutive_skips: Stop the run after this many skipped steps in a row (``0``: no
+            limit); see the module docstring.
 
     Attributes:
         mode: The ``precision`` string.
         policy: The read-only :class:`~lp_lightning.policy.LowPrecisionPolicy` of ``mode``.
         optimizer_steps_applied: ``optimizer.step()`` calls that completed (restored on resume).
         optimizer_steps_skipped: Steps skipped for a non-finite gradient norm (restored on resume).
+        consecutive_skips: Skipped steps since the last applied one (restored on resume).
+        nonfinite_events: ``{"step", "reason", "fqn"}`` per skipped step of this process, in order
+            (``step``: 1-based optimizer step, skipped ones counted, as Lightning's ``global_step``).
+        stop: The :class:`~lp_lightning.distributed.finite.NonFiniteStateError` that stopped the
+            run (``None`` while it runs).
         last_step_applied: Whether the last ``optimizer_step`` call stepped the optimizer.
         replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module`
             (``None`` in ``bf16`` or before conversion).
@@ -124,7 +153,8 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             (each call rebuilds every weight once).
 
     Raises:
-        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`.
+        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`, or
+            ``max_consecutive_skips`` is negative.
     """
 
     precision = "bf16-mixed"
@@ -136,7 +166,12 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         skip_nonfinite_steps: bool = True,
         backend: BackendChoice = "auto",
         plan_rules: Sequence[ReplacementRule] | str | None = None,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
+        if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 0:
+            raise ValueError(
+                f"nonfinite.max_consecutive_skips must be an int >= 0 (0 = no limit), got {max_consecutive_skips!r}."
+            )
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not an op backend; choose one of {list(BACKEND_CHOICES)}.")
         if precision not in SUPPORTED_PRECISIONS:
@@ -157,6 +192,11 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.plan_rules = plan_rules
         self.optimizer_steps_applied: int = 0
         self.optimizer_steps_skipped: int = 0
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips: int = 0
+        self.nonfinite_events: list[dict[str, Any]] = []
+        self.stop: NonFiniteStateError | None = None
+        self._param_names: dict[int, str] = {}
         self.last_step_applied: bool = False
         self.replacement_report: ReplacementReport | None = None
         self.low_precision_weights: tuple[str, ...] = ()
@@ -408,8 +448,77 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
         return [p for group in optimizer.param_groups for p in group["params"]]
 
+    def name_parameters(self, module: nn.Module) -> None:
+        """Remembers the FQNs of ``module``'s parameters, which the non-finite guard reports.
+
+        The strategies call it once the model is sharded (the Parameters the optimizer will hold);
+        activation-checkpoint wrapper prefixes are dropped, so the names are the HF state-dict
+        keys. Unnamed parameters are reported as ``parameter <i> <shape>``.
+        """
+        self._param_names = {
+            id(p): name.replace("_checkpoint_wrapped_module.", "") for name, p in module.named_parameters()
+        }
+
+    def _name(self, index: int, param: torch.Tensor) -> str:
+        return self._param_names.get(id(param)) or f"parameter {index} {tuple(param.shape)}"
+
+    def _named_masters(self, params: list[torch.Tensor], refreshed_amax: Sequence[torch.Tensor] = ()) -> list[Any]:
+        """``(fqn, master or its amax)`` per parameter, in optimizer order (see ``first_nonfinite``).
+
+        A low-precision weight contributes its FP32 master (its Parameter dispatches to the 8-bit
+        storage), or the refresh's amax of it when ``refreshed_amax`` is given (one per weight, in order).
+        """
+        if not self.policy.enabled:
+            return [(self._name(i, p), p) for i, p in enumerate(params)]
+        from lp_lightning.integration import local_low_precision_weight
+
+        amaxes = iter(refreshed_amax)
+        named = []
+        for i, p in enumerate(params):
+            local = local_low_precision_weight(p)
+            if local is None:
+                named.append((self._name(i, p), p))
+            else:
+                named.append((local.fqn, next(amaxes) if refreshed_amax else local.master))
+        return named
+
+    def _diagnose_skip(self, params: list[torch.Tensor]) -> tuple[str, str | None]:
+        """``(reason, first offending FQN)`` of a step skipped for a non-finite gradient norm (collective)."""
+        master = first_nonfinite(self._named_masters(params))
+        if master is not None:
+            return NONFINITE_MASTER, master
+        grads = [(self._name(i, p), p.grad) for i, p in enumerate(params) if p.grad is not None]
+        fqn = first_nonfinite(grads)
+        return (NONFINITE_GRADIENT, fqn) if fqn is not None else (NORM_OVERFLOW, None)
+
+    @property
+    def _step_index(self) -> int:
+        return self.optimizer_steps_applied + self.optimizer_steps_skipped
+
+    def _raise_stop(self, reason: str, fqn: str | None) -> None:
+        step, skips = self._step_index, self.consecutive_skips
+        where = f" ({fqn!r})" if fqn else ""
+        if reason == NONFINITE_MASTER:
+            seen = f"{skips} step(s) skipped in a row" if skips else "after an applied optimizer step"
+            message = (
+                f"training stopped at step {step}: {reason}{where} ({seen}); a NaN/Inf master never becomes "
+                "finite again and is never saved. Find the cause, then resume from the last checkpoint."
+            )
+        else:
+            message = (
+                f"training stopped at step {step}: {skips} optimizer steps skipped in a row ({reason}{where}), "
+                f"nonfinite.max_consecutive_skips={self.max_consecutive_skips}. Lower --model.lr, check the data, "
+                "or raise the limit."
+            )
+        self.stop = NonFiniteStateError(message, reason=reason, fqn=fqn, step=step, consecutive_skips=skips)
+        raise self.stop
+
     def _step_and_refresh(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Finite check, ``optimizer.step(**kwargs)``, refresh. Returns what ``optimizer.step`` returned."""
+        """Finite check, ``optimizer.step(**kwargs)``, refresh, master check. Returns what ``optimizer.step`` returned.
+
+        Raises:
+            NonFiniteStateError: The guard stops the run (module docstring), on every rank alike.
+        """
         params = self._optimizer_params(optimizer)
         with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
@@ -419,22 +528,33 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             norm = total_grad_norm(with_grad)
             if not bool(torch.isfinite(norm)):
                 self.optimizer_steps_skipped += 1
+                self.consecutive_skips += 1
                 self.last_step_applied = False
-                log.warning(
-                    "non-finite gradient norm %s: optimizer step skipped (no weight update, no low-precision "
-                    "refresh); %d step(s) skipped so far.",
-                    float(norm),
+                reason, fqn = self._diagnose_skip(params)
+                self.nonfinite_events.append({"step": self._step_index, "reason": reason, "fqn": fqn})
+                rank_zero_only(log.warning)(  # the same on every rank (reduced values): said once
+                    "step %d: gradient norm %s, optimizer step skipped (no weight update, no low-precision refresh): "
+                    "%s%s; %d skipped in a row, %d in all.",
+                    self._step_index, float(norm), reason, f" ({fqn})" if fqn else "", self.consecutive_skips,
                     self.optimizer_steps_skipped,
                 )
+                limit = self.max_consecutive_skips
+                if reason == NONFINITE_MASTER or (limit and self.consecutive_skips >= limit):
+                    self._raise_stop(reason, fqn)
                 return None
         out = optimizer.step(**kwargs)
         self.optimizer_steps_applied += 1
+        self.consecutive_skips = 0
         self.last_step_applied = True
+        refreshed_amax: tuple[torch.Tensor, ...] = ()
         if self.policy.enabled:
             from lp_lightning.integration import refresh_low_precision_weights
 
-            refresh_low_precision_weights(params)
+            refreshed_amax = refresh_low_precision_weights(params).master_amax
             self.refreshes["step"] += 1
+        master = first_nonfinite(self._named_masters(params, refreshed_amax))
+        if master is not None:
+            self._raise_stop(NONFINITE_MASTER, master)
         return out
 
     @override
@@ -452,11 +572,12 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     # -- checkpoint state --------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped"}``, stored in ``meta.pt``."""
+        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped", "consecutive_skips"}``, stored in ``meta.pt``."""
         return {
             "mode": self.mode,
             "optimizer_steps_applied": self.optimizer_steps_applied,
             "optimizer_steps_skipped": self.optimizer_steps_skipped,
+            "consecutive_skips": self.consecutive_skips,
         }
 
     @override
@@ -480,6 +601,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             )
         self.optimizer_steps_applied = int(state_dict.get("optimizer_steps_applied", 0))
         self.optimizer_steps_skipped = int(state_dict.get("optimizer_steps_skipped", 0))
+        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))  # a skip streak spans a resume
 
 
 class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):
@@ -496,8 +618,8 @@ class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):
 
     Args:
         precision: ``"bf16"``, ``"mxfp8"`` or ``"hif8"``.
-        skip_nonfinite_steps: See :class:`LowPrecisionFabricPlugin`.
-        plan_rules: See :class:`LowPrecisionFabricPlugin`.
+        skip_nonfinite_steps, backend, plan_rules, max_consecutive_skips: See
+            :class:`LowPrecisionFabricPlugin`.
     """
 
     @override
