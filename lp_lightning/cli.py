@@ -103,12 +103,8 @@ from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
-from lp_lightning.lightning.precision import (
-    DEFAULT_MAX_CONSECUTIVE_SKIPS,
-    BackendChoice,
-    LowPrecisionPlugin,
-    PrecisionMode,
-)
+from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
+from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message

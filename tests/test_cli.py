@@ -251,13 +251,13 @@ def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     checkpoint = [c for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)]
     assert len(checkpoint) == 1 and checkpoint[0].every_n_steps == 20
     assert type(trainer.progress_bar_callback) is type(default_progress_bar())  # counts optimizer steps
-    assert trainer.precision_plugin.max_consecutive_skips == 3 and trainer.strategy.resume_fallback is False
+    assert trainer.precision_plugin.guard.max_consecutive_skips == 3 and trainer.strategy.resume_fallback is False
 
 
 def test_nonfinite_limit_reaches_the_plugin_and_a_negative_one_fails_while_parsing(tmp_path, capsys):
     cli = LPLightningCLI(args=["--trainer.default_root_dir", str(tmp_path), "--nonfinite.max_consecutive_skips", "0"],
                          run=False)
-    assert cli.trainer.precision_plugin.max_consecutive_skips == 0
+    assert cli.trainer.precision_plugin.guard.max_consecutive_skips == 0
     with pytest.raises(SystemExit) as exc:
         parse_config(["--nonfinite.max_consecutive_skips", "-1"])
     assert exc.value.code == 2 and "nonfinite.max_consecutive_skips" in capsys.readouterr().err

@@ -132,7 +132,8 @@ def read_digests(folder: str | Path) -> dict[str, Any] | None:
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DamagedCheckpointError(folder, f"{DIGESTS_FILENAME} cannot be read ({type(exc).__name__}: {exc})") from exc
+        problem = f"{DIGESTS_FILENAME} cannot be read ({type(exc).__name__}: {exc})"
+        raise DamagedCheckpointError(folder, problem) from exc
     files = record.get("files") if isinstance(record, dict) else None
     if not isinstance(files, dict) or record.get("algorithm") != DIGEST_ALGORITHM or "finite" not in record:
         raise DamagedCheckpointError(folder, f"{DIGESTS_FILENAME} is not a {DIGEST_ALGORITHM} record of its files")

@@ -339,7 +339,8 @@ class RunSummaryCallback(Callback):
         plugin = trainer.precision_plugin
         policy = getattr(plugin, "policy", None)
         self._skipped_at_start = int(getattr(plugin, "optimizer_steps_skipped", 0))
-        self._events_at_start = len(getattr(plugin, "nonfinite_events", ()))
+        guard = getattr(plugin, "guard", None)
+        self._events_at_start = len(guard.events) if guard is not None else 0
         if policy is not None and policy.enabled:  # bf16 imports nothing of the low-precision stack
             self._gemms = GemmRoleCounter().__enter__()
             self._refresh = RefreshCounter().__enter__()
@@ -489,7 +490,8 @@ class RunSummaryCallback(Callback):
 
     def _nonfinite(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         plugin = trainer.precision_plugin
-        if not hasattr(plugin, "nonfinite_events"):
+        guard = getattr(plugin, "guard", None)
+        if guard is None:
             return None
         stopped = None
         if self._stop is not None:
@@ -497,14 +499,14 @@ class RunSummaryCallback(Callback):
             if stopped["step"] is None:  # raised by a save: the step it was saving
                 stopped["step"] = trainer.global_step
             if stopped["resume_checkpoint"] is None:
-                stopped["resume_checkpoint"] = next(
-                    (c.last_checkpoint for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)), None  # type: ignore[attr-defined]
-                )
+                callbacks = trainer.callbacks  # type: ignore[attr-defined]
+                saved = [c.last_checkpoint for c in callbacks if isinstance(c, PeriodicCheckpoint)]
+                stopped["resume_checkpoint"] = saved[0] if saved else None
         return {
-            "max_consecutive_skips": plugin.max_consecutive_skips,
+            "max_consecutive_skips": guard.max_consecutive_skips,
             "skipped_steps": int(plugin.optimizer_steps_skipped) - self._skipped_at_start,
-            "consecutive_skips": int(plugin.consecutive_skips),
-            "skips": [dict(event) for event in plugin.nonfinite_events[self._events_at_start:]],
+            "consecutive_skips": guard.consecutive_skips,
+            "skips": [dict(event) for event in guard.events[self._events_at_start:]],
             "stopped": stopped,
         }
 

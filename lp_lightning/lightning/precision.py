@@ -35,19 +35,11 @@ a step skipped by AMP's grad scaler. A step whose parameters have no gradient at
 micro-batch's ``training_step`` returned ``None``) is a no-op: ``optimizer.step()`` is not called,
 nothing is refreshed and it is not counted as applied.
 
-The non-finite guard (docs/architecture.md, "The non-finite guard"). A skipped step is diagnosed
-(one fused NaN/Inf check over all ranks, :func:`~lp_lightning.distributed.finite.first_nonfinite`):
-its ``reason`` is ``"non-finite master weight"`` when a master holds NaN/Inf, else
-``"non-finite gradient"`` (with the first parameter whose gradient does) or ``"gradient norm
-overflow"`` (every gradient finite, their norm is not); each one is logged and kept in
-:attr:`~LowPrecisionFabricPlugin.nonfinite_events`. After every applied step the masters are
-checked too, from the amax the refresh computes anyway (low-precision weights) and one amax per
-plain parameter. The run stops with :class:`~lp_lightning.distributed.finite.NonFiniteStateError`
-(on every rank alike, before the step's checkpoint) when
-
-* ``max_consecutive_skips`` steps in a row were skipped (``0``: never for this reason), or
-* a master weight holds NaN/Inf, at once: a skipped step leaves it as it is and an AdamW step
-  keeps a NaN/Inf, so the run cannot recover.
+The non-finite guard (:class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`, :attr:`guard`)
+diagnoses each skipped step (a NaN/Inf master, the first non-finite gradient, or a norm overflow),
+checks the masters after every applied step (from the refresh's amax for the low-precision
+weights) and stops the run with :class:`~lp_lightning.distributed.finite.NonFiniteStateError`
+after ``max_consecutive_skips`` skipped steps in a row, or at once when a master holds NaN/Inf.
 
 Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("mxfp8")]``), which
 bypasses the built-in precision strings of Lightning's connector. There is no
@@ -72,8 +64,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lp_lightning.distributed.finite import NonFiniteStateError, first_nonfinite
 from lp_lightning.distributed.fsdp import default_mixed_precision_policy, total_grad_norm
+from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
 from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, PrecisionName
 
 if TYPE_CHECKING:
@@ -105,13 +97,6 @@ BackendChoice = Literal["auto", "emulated", "npu"]
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "emulated", "npu")
 """Runtime form of :data:`BackendChoice` (tested equal to ``"auto"`` + the registered op backends)."""
 
-DEFAULT_MAX_CONSECUTIVE_SKIPS = 3
-"""Default of ``max_consecutive_skips`` (``--nonfinite.max_consecutive_skips``)."""
-
-NONFINITE_MASTER = "non-finite master weight"
-NONFINITE_GRADIENT = "non-finite gradient"
-NORM_OVERFLOW = "gradient norm overflow"
-
 
 class LowPrecisionFabricPlugin(FabricPrecision):
     """Fabric precision plugin of the FSDP2 job: BF16 baseline, or MXFP8 / HiF8 GEMMs.
@@ -133,18 +118,16 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             adapter's ``default_replacement_rules`` of the model's config
             (:class:`~lp_lightning.models.adapter.ModelAdapter`). Ignored in ``bf16``.
         max_consecutive_skips: Stop the run after this many skipped steps in a row (``0``: no
-            limit); see the module docstring.
+            limit); see :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`.
 
     Attributes:
         mode: The ``precision`` string.
         policy: The read-only :class:`~lp_lightning.policy.LowPrecisionPolicy` of ``mode``.
         optimizer_steps_applied: ``optimizer.step()`` calls that completed (restored on resume).
         optimizer_steps_skipped: Steps skipped for a non-finite gradient norm (restored on resume).
-        consecutive_skips: Skipped steps since the last applied one (restored on resume).
-        nonfinite_events: ``{"step", "reason", "fqn"}`` per skipped step of this process, in order
-            (``step``: 1-based optimizer step, skipped ones counted, as Lightning's ``global_step``).
-        stop: The :class:`~lp_lightning.distributed.finite.NonFiniteStateError` that stopped the
-            run (``None`` while it runs).
+        guard: The :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard` (skip streak,
+            ``events`` per skipped step, the ``stop`` error); its ``consecutive_skips`` is restored
+            on resume.
         last_step_applied: Whether the last ``optimizer_step`` call stepped the optimizer.
         replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module`
             (``None`` in ``bf16`` or before conversion).
@@ -168,10 +151,6 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         plan_rules: Sequence[ReplacementRule] | str | None = None,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
-        if not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 0:
-            raise ValueError(
-                f"nonfinite.max_consecutive_skips must be an int >= 0 (0 = no limit), got {max_consecutive_skips!r}."
-            )
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not an op backend; choose one of {list(BACKEND_CHOICES)}.")
         if precision not in SUPPORTED_PRECISIONS:
@@ -192,11 +171,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.plan_rules = plan_rules
         self.optimizer_steps_applied: int = 0
         self.optimizer_steps_skipped: int = 0
-        self.max_consecutive_skips = max_consecutive_skips
-        self.consecutive_skips: int = 0
-        self.nonfinite_events: list[dict[str, Any]] = []
-        self.stop: NonFiniteStateError | None = None
-        self._param_names: dict[int, str] = {}
+        self.guard = NonFiniteGuard(max_consecutive_skips)
         self.last_step_applied: bool = False
         self.replacement_report: ReplacementReport | None = None
         self.low_precision_weights: tuple[str, ...] = ()
@@ -448,70 +423,9 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
         return [p for group in optimizer.param_groups for p in group["params"]]
 
-    def name_parameters(self, module: nn.Module) -> None:
-        """Remembers the FQNs of ``module``'s parameters, which the non-finite guard reports.
-
-        The strategies call it once the model is sharded (the Parameters the optimizer will hold);
-        activation-checkpoint wrapper prefixes are dropped, so the names are the HF state-dict
-        keys. Unnamed parameters are reported as ``parameter <i> <shape>``.
-        """
-        self._param_names = {
-            id(p): name.replace("_checkpoint_wrapped_module.", "") for name, p in module.named_parameters()
-        }
-
-    def _name(self, index: int, param: torch.Tensor) -> str:
-        return self._param_names.get(id(param)) or f"parameter {index} {tuple(param.shape)}"
-
-    def _named_masters(self, params: list[torch.Tensor], refreshed_amax: Sequence[torch.Tensor] = ()) -> list[Any]:
-        """``(fqn, master or its amax)`` per parameter, in optimizer order (see ``first_nonfinite``).
-
-        A low-precision weight contributes its FP32 master (its Parameter dispatches to the 8-bit
-        storage), or the refresh's amax of it when ``refreshed_amax`` is given (one per weight, in order).
-        """
-        if not self.policy.enabled:
-            return [(self._name(i, p), p) for i, p in enumerate(params)]
-        from lp_lightning.integration import local_low_precision_weight
-
-        amaxes = iter(refreshed_amax)
-        named = []
-        for i, p in enumerate(params):
-            local = local_low_precision_weight(p)
-            if local is None:
-                named.append((self._name(i, p), p))
-            else:
-                named.append((local.fqn, next(amaxes) if refreshed_amax else local.master))
-        return named
-
-    def _diagnose_skip(self, params: list[torch.Tensor]) -> tuple[str, str | None]:
-        """``(reason, first offending FQN)`` of a step skipped for a non-finite gradient norm (collective)."""
-        master = first_nonfinite(self._named_masters(params))
-        if master is not None:
-            return NONFINITE_MASTER, master
-        grads = [(self._name(i, p), p.grad) for i, p in enumerate(params) if p.grad is not None]
-        fqn = first_nonfinite(grads)
-        return (NONFINITE_GRADIENT, fqn) if fqn is not None else (NORM_OVERFLOW, None)
-
     @property
     def _step_index(self) -> int:
         return self.optimizer_steps_applied + self.optimizer_steps_skipped
-
-    def _raise_stop(self, reason: str, fqn: str | None) -> None:
-        step, skips = self._step_index, self.consecutive_skips
-        where = f" ({fqn!r})" if fqn else ""
-        if reason == NONFINITE_MASTER:
-            seen = f"{skips} step(s) skipped in a row" if skips else "after an applied optimizer step"
-            message = (
-                f"training stopped at step {step}: {reason}{where} ({seen}); a NaN/Inf master never becomes "
-                "finite again and is never saved. Find the cause, then resume from the last checkpoint."
-            )
-        else:
-            message = (
-                f"training stopped at step {step}: {skips} optimizer steps skipped in a row ({reason}{where}), "
-                f"nonfinite.max_consecutive_skips={self.max_consecutive_skips}. Lower --model.lr, check the data, "
-                "or raise the limit."
-            )
-        self.stop = NonFiniteStateError(message, reason=reason, fqn=fqn, step=step, consecutive_skips=skips)
-        raise self.stop
 
     def _step_and_refresh(self, optimizer: Any, **kwargs: Any) -> Any:
         """Finite check, ``optimizer.step(**kwargs)``, refresh, master check. Returns what ``optimizer.step`` returned.
@@ -528,23 +442,11 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             norm = total_grad_norm(with_grad)
             if not bool(torch.isfinite(norm)):
                 self.optimizer_steps_skipped += 1
-                self.consecutive_skips += 1
                 self.last_step_applied = False
-                reason, fqn = self._diagnose_skip(params)
-                self.nonfinite_events.append({"step": self._step_index, "reason": reason, "fqn": fqn})
-                rank_zero_only(log.warning)(  # the same on every rank (reduced values): said once
-                    "step %d: gradient norm %s, optimizer step skipped (no weight update, no low-precision refresh): "
-                    "%s%s; %d skipped in a row, %d in all.",
-                    self._step_index, float(norm), reason, f" ({fqn})" if fqn else "", self.consecutive_skips,
-                    self.optimizer_steps_skipped,
-                )
-                limit = self.max_consecutive_skips
-                if reason == NONFINITE_MASTER or (limit and self.consecutive_skips >= limit):
-                    self._raise_stop(reason, fqn)
+                self.guard.skipped(params, step=self._step_index, norm=float(norm), low_precision=self.policy.enabled)
                 return None
         out = optimizer.step(**kwargs)
         self.optimizer_steps_applied += 1
-        self.consecutive_skips = 0
         self.last_step_applied = True
         refreshed_amax: tuple[torch.Tensor, ...] = ()
         if self.policy.enabled:
@@ -552,9 +454,8 @@ class LowPrecisionFabricPlugin(FabricPrecision):
 
             refreshed_amax = refresh_low_precision_weights(params).master_amax
             self.refreshes["step"] += 1
-        master = first_nonfinite(self._named_masters(params, refreshed_amax))
-        if master is not None:
-            self._raise_stop(NONFINITE_MASTER, master)
+        self.guard.applied(params, step=self._step_index, low_precision=self.policy.enabled,
+                           refreshed_amax=refreshed_amax)
         return out
 
     @override
@@ -572,12 +473,12 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     # -- checkpoint state --------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped", "consecutive_skips"}``, stored in ``meta.pt``."""
+        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped", "consecutive_skips"}`` (``meta.pt``)."""
         return {
             "mode": self.mode,
             "optimizer_steps_applied": self.optimizer_steps_applied,
             "optimizer_steps_skipped": self.optimizer_steps_skipped,
-            "consecutive_skips": self.consecutive_skips,
+            "consecutive_skips": self.guard.consecutive_skips,
         }
 
     @override
@@ -601,7 +502,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             )
         self.optimizer_steps_applied = int(state_dict.get("optimizer_steps_applied", 0))
         self.optimizer_steps_skipped = int(state_dict.get("optimizer_steps_skipped", 0))
-        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))  # a skip streak spans a resume
+        self.guard.consecutive_skips = int(state_dict.get("consecutive_skips", 0))  # a skip streak spans a resume
 
 
 class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):

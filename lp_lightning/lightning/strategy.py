@@ -178,7 +178,7 @@ class _FSDP2Common:
         which low-precision weights stay replicated."""
         if "refresh_low_precision" in record.steps:
             self.low_precision_plugin.note_startup_refresh()  # type: ignore[attr-defined]
-        self.low_precision_plugin.name_parameters(causal_lm)  # type: ignore[attr-defined]
+        self.low_precision_plugin.guard.name_parameters(causal_lm)  # type: ignore[attr-defined]
         self.parallelization = record
         if record.input_dim_sharded:
             rank_zero_info(

@@ -30,7 +30,9 @@ class PoisonBatches(Callback):
         self.ranks = _ints(ranks)
         self._handle: Any = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step + 1 not in self.steps or (self.ranks and trainer.global_rank not in self.ranks):
             return
         embed = pl_module.model.get_input_embeddings()
@@ -66,7 +68,9 @@ class InfIntoMaster(Callback):
             local[self.row, 0] = float("inf")
         self.step = -1  # once
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.when == "start":
             self._write(trainer, pl_module)
 

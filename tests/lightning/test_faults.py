@@ -62,7 +62,8 @@ def _steps_on_disk(root: Path) -> list[str]:
 
 def _overwrite_4k(path: Path, shard: str) -> None:
     """0xFF over 4 KiB in the middle of the largest tensor DCP wrote into ``shard`` (same size, other bytes)."""
-    infos = [i for i in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values() if i.relative_path == shard]
+    items = dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()
+    infos = [i for i in items if i.relative_path == shard]
     info = max(infos, key=lambda i: int(i.length))
     with open(path / shard, "r+b") as stream:
         stream.seek(int(info.offset) + int(info.length) // 2)
@@ -143,7 +144,8 @@ def test_corrupted_shard_bytes_last_skips_the_folder_and_an_explicit_path_fails(
     _overwrite_4k(damaged, "__0_0.distcp")
     previous = str(root / "checkpoints" / "step-000002")
     problem = "file '__0_0.distcp' does not match its SHA-256 digest (its bytes changed after the save)"
-    explicit, nothing = _fit(root, token_cache_dir, "--trainer.max_steps", "4", "--ckpt_path", str(damaged), returncode=1)
+    explicit, nothing = _fit(root, token_cache_dir, "--trainer.max_steps", "4", "--ckpt_path", str(damaged),
+                             returncode=1)
     assert _stderr_line(explicit) == (
         f"lp-lightning: checkpoint {str(damaged)!r} is damaged: {problem}; the last good checkpoint is {previous!r}: "
         "resume from it (or pass --ckpt_path last)."
@@ -167,5 +169,6 @@ def test_two_processes_skip_a_nan_on_one_rank_and_last_skips_a_corrupted_shard_o
     assert set(record["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}  # both ranks' shards
     _overwrite_4k(damaged, "__1_0.distcp")
     proc, resumed = _fit(root, token_cache_dir, *two, "--trainer.max_steps", "4", "--ckpt_path", "last")
-    assert f"ckpt_path=last skips {str(damaged)!r} (file '__1_0.distcp' does not match its SHA-256 digest" in proc.stderr
+    skipped = f"ckpt_path=last skips {str(damaged)!r} (file '__1_0.distcp' does not match its SHA-256 digest"
+    assert skipped in proc.stderr
     assert resumed["first_step"] == 2 and resumed["losses"][0] == first["losses"][2]

@@ -120,7 +120,7 @@ def test_a_non_finite_low_precision_master_stops_the_run_after_the_step(mode, ea
     """The refresh's amax of each weight shows a NaN/Inf master; the stop names the weight's FQN."""
     module, optimizer = _lp_params(mode)
     plugin = LowPrecisionFabricPlugin(mode)
-    plugin.name_parameters(module)
+    plugin.guard.name_parameters(module)
     with torch.no_grad():
         module.weight.master[3, 5] = float("inf")  # e.g. a fault between two steps; the gradients stay finite
     module.weight.grad = torch.ones(64, 64)
@@ -134,7 +134,7 @@ def test_consecutive_skips_stop_the_run_at_the_limit_and_an_applied_step_resets_
     module = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     plugin = LowPrecisionFabricPlugin("bf16", max_consecutive_skips=2)
-    plugin.name_parameters(module)
+    plugin.guard.name_parameters(module)
 
     def step(bad: float) -> None:
         module.weight.grad = torch.tensor([[1.0, bad], [0.0, 0.0]])
@@ -144,17 +144,17 @@ def test_consecutive_skips_stop_the_run_at_the_limit_and_an_applied_step_resets_
     step(float("nan"))
     step(1.0)  # applied: the streak starts again
     step(float("inf"))
-    assert plugin.consecutive_skips == 1 and plugin.optimizer_steps_skipped == 2
+    assert plugin.guard.consecutive_skips == 1 and plugin.optimizer_steps_skipped == 2
     with pytest.raises(NonFiniteStateError, match=r"stopped at step 4: 2 optimizer steps skipped in a row "
                        r"\(non-finite gradient \('weight'\)\), nonfinite.max_consecutive_skips=2") as info:
         step(float("nan"))
     assert (info.value.reason, info.value.fqn, info.value.consecutive_skips) == ("non-finite gradient", "weight", 2)
-    assert [e["step"] for e in plugin.nonfinite_events] == [1, 3, 4]
+    assert [e["step"] for e in plugin.guard.events] == [1, 3, 4]
     # Finite gradients whose norm overflows FP32: said so, no FQN; 0 = no limit.
     plugin = LowPrecisionFabricPlugin("bf16", max_consecutive_skips=0)
     for _ in range(5):
         step(1e30)
-    assert plugin.consecutive_skips == 5 and plugin.nonfinite_events[-1] == {
+    assert plugin.guard.consecutive_skips == 5 and plugin.guard.events[-1] == {
         "step": 5, "reason": "gradient norm overflow", "fqn": None}
     with pytest.raises(ValueError, match="nonfinite.max_consecutive_skips must be an int >= 0"):
         LowPrecisionFabricPlugin("bf16", max_consecutive_skips=-1)
@@ -164,7 +164,7 @@ def test_a_skip_caused_by_a_non_finite_master_stops_at_once():
     module = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
     plugin = LowPrecisionFabricPlugin("bf16")  # limit 3, but a NaN master cannot recover
-    plugin.name_parameters(module)
+    plugin.guard.name_parameters(module)
     with torch.no_grad():
         module.bias[0] = float("nan")
     module.weight.grad = torch.full((2, 2), float("nan"))
@@ -194,14 +194,14 @@ def test_non_finite_gradient_skips_the_step_unless_disabled(bad):
     plugin.optimizer_step(optimizer)
     assert plugin.optimizer_steps_skipped == 1 and plugin.optimizer_steps_applied == 0
     assert torch.equal(param.detach(), torch.ones(2))
-    assert plugin.nonfinite_events == [{"step": 1, "reason": "non-finite gradient", "fqn": "parameter 0 (2,)"}]
+    assert plugin.guard.events == [{"step": 1, "reason": "non-finite gradient", "fqn": "parameter 0 (2,)"}]
     # Not skipping applies the update; the master is then NaN/Inf and the guard stops the run at once.
     plugin = LowPrecisionFabricPlugin("bf16", skip_nonfinite_steps=False)
     with pytest.raises(NonFiniteStateError, match=r"step 1: non-finite master weight \('parameter 0 \(2,\)'\) "
                        r"\(after an applied optimizer step\)") as info:
         plugin.optimizer_step(optimizer)
     assert plugin.optimizer_steps_applied == 1 and not torch.isfinite(param.detach()).all()
-    assert plugin.stop is info.value and info.value.reason == "non-finite master weight"
+    assert plugin.guard.stop is info.value and info.value.reason == "non-finite master weight"
 
 
 def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
@@ -235,10 +235,11 @@ def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
 
 def test_state_dict_round_trip_and_cross_precision_resume():
     plugin = LowPrecisionPlugin("bf16")
-    plugin.optimizer_steps_applied, plugin.optimizer_steps_skipped, plugin.consecutive_skips = 7, 2, 1
+    plugin.optimizer_steps_applied, plugin.optimizer_steps_skipped, plugin.guard.consecutive_skips = 7, 2, 1
     restored = LowPrecisionPlugin("bf16")
     restored.load_state_dict(plugin.state_dict())
-    assert (restored.optimizer_steps_applied, restored.optimizer_steps_skipped, restored.consecutive_skips) == (7, 2, 1)
+    assert (restored.optimizer_steps_applied, restored.optimizer_steps_skipped, restored.guard.consecutive_skips) == (
+        7, 2, 1)
     assert plugin.state_dict() == {"mode": "bf16", "optimizer_steps_applied": 7, "optimizer_steps_skipped": 2,
                                    "consecutive_skips": 1}
     hif8 = LowPrecisionPlugin("hif8")
