@@ -36,6 +36,11 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
 * ``--run_summary.*``: :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`
   (``<default_root_dir>/run_summary.json``).
+* ``--nonfinite.max_consecutive_skips`` (default 3, ``0`` = no limit): the non-finite guard of the
+  precision plugin stops the run after that many optimizer steps skipped in a row for a NaN/Inf
+  gradient norm, and at once when a master weight holds NaN/Inf; it prints one line (step, skip
+  count, reason, first offending FQN, last good checkpoint) and exits with status 1, and nothing
+  is saved from the non-finite state (docs/architecture.md "The non-finite guard").
 
 The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
 as instances (``FSDP2Strategy``, ``LowPrecisionPlugin``); setting ``--trainer.strategy``,
@@ -52,7 +57,12 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
 
 Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder), or
 ``--ckpt_path last`` for the newest complete one under the checkpoint folder (none yet: the run
-starts from step 0, so a job script may pass ``last`` on every start). The path, the batch
+starts from step 0, so a job script may pass ``last`` on every start). At launch, ``last`` skips
+folders that fail the quick check (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite),
+naming each; at load, every file's SHA-256 is checked and a damaged folder is skipped, naming it,
+for the newest intact older one (``FSDP2Strategy(resume_fallback=True)``). An explicit path to a
+damaged folder fails, naming the file and the last good checkpoint: at launch (exit status 2) or,
+for bytes changed in place, when it is loaded before training (exit status 1). The path, the batch
 geometry (``data.global_batch_size`` divisible by accumulation x world size) and a ``torchrun``
 world size that disagrees with ``trainer.devices`` are checked while parsing (exit status 2),
 before any process is launched; ``ckpt_path`` must be a DCP folder (a ``.ckpt`` file fails).
@@ -72,6 +82,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from jsonargparse import Namespace
+from jsonargparse.typing import NonNegativeInt
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.callbacks import ProgressBar
@@ -83,15 +94,19 @@ from typing_extensions import override
 
 from lp_lightning.config import FSDP2Config
 from lp_lightning.distributed.checkpoint import (
-    DAMAGED_CHECKPOINT_FIX,
-    METADATA_FILENAME,
+    DamagedCheckpointError,
+    NonFiniteStateError,
+    checkpoint_folders,
     is_dcp_checkpoint,
+    newest_intact_checkpoint,
+    older_checkpoints,
     verify_dcp_checkpoint,
 )
 from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
+from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
@@ -317,6 +332,16 @@ class LPLightningCLI(LightningCLI):
                 "compiled once at launch."
             ),
         )
+        parser.add_argument(
+            "--nonfinite.max_consecutive_skips",
+            type=NonNegativeInt,
+            default=DEFAULT_MAX_CONSECUTIVE_SKIPS,
+            help=(
+                "Stop the run after this many optimizer steps in a row were skipped for a NaN/Inf gradient norm "
+                "(0 = no limit); a NaN/Inf master weight stops it at once. Exit status 1, nothing saved from the "
+                "non-finite state."
+            ),
+        )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.every_n_steps": 20})
@@ -342,6 +367,7 @@ class LPLightningCLI(LightningCLI):
         parsed and checked without it.
         """
         argv = sys.argv[1:] if args is None else args
+        self._resume_fallback = False
         if not isinstance(argv, (dict, Namespace)) and any(map(_requests_print_config, argv)):
             self.config = parser.parse_args([arg for arg in argv if not _requests_print_config(arg)])
             self._check_config(parser)
@@ -352,6 +378,7 @@ class LPLightningCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         section = self.config[subcommand] if subcommand else self.config
         target = self._subcommand_parsers[subcommand] if subcommand else parser
+        self._resume_fallback = section.get("ckpt_path") == "last"  # before the launch checks resolve it
         try:
             _check_section(section, launch=subcommand is not None)
         except (TypeError, ValueError, ImportError) as err:
@@ -370,11 +397,16 @@ class LPLightningCLI(LightningCLI):
             raise ValueError(refused)
         fsdp_config = self._get(self.config_init, "fsdp_config")
         precision = self._get(self.config, "precision")
-        kwargs["strategy"] = FSDP2Strategy(fsdp_config=fsdp_config)
+        kwargs["strategy"] = FSDP2Strategy(
+            fsdp_config=fsdp_config, resume_fallback=getattr(self, "_resume_fallback", False)
+        )
         plan_rules = _plan_rules(self._get(self.config, "plan_overrides"))
         backend = self._get(self.config, "backend")
+        max_skips = self._get(self.config, "nonfinite", default={}).get(
+            "max_consecutive_skips", DEFAULT_MAX_CONSECUTIVE_SKIPS
+        )
         kwargs["plugins"] = [
-            LowPrecisionPlugin(precision, backend=backend, plan_rules=plan_rules),
+            LowPrecisionPlugin(precision, backend=backend, plan_rules=plan_rules, max_consecutive_skips=max_skips),
             *_cluster_environments(trainer_config.get("plugins")),  # SLURM, LSF, ...: passed through
         ]
         if trainer_config.get("logger") in (None, True):
@@ -428,38 +460,48 @@ def _checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _latest_checkpoint(folder: Path) -> Path | None:
-    """The most recently written complete ``step-NNNNNN`` folder under ``folder``.
+def _latest_checkpoint(folder: Path, *, exclude: Path | None = None, quiet: bool = False) -> Path | None:
+    """The most recently written ``step-NNNNNN`` folder under ``folder`` that passes the quick check.
 
     Hidden ``.partial`` folders (saves cut short) never match; a folder that fails
-    :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` (e.g. a truncated shard
-    file) is skipped with a note on stderr naming it and why.
+    :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` with ``content=False``
+    (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite, unreadable) is skipped with a
+    note on stderr naming it and why (unless ``quiet``). The strategy's load checks the rest
+    (every file's digest, NaN/Inf) and falls back further when needed.
     """
-    def written(path: Path) -> tuple[float, str]:  # meta.pt is written last, just before the rename
-        meta = path / METADATA_FILENAME
-        return (meta.stat().st_mtime if meta.is_file() else 0.0, path.name)
+    candidates = checkpoint_folders(folder) if exclude is None else older_checkpoints(exclude)
 
-    # Newest *written*, not highest step: after a rerun into the same folder (warned at its start),
-    # the interrupted rerun's step-000036 must win over an earlier run's step-000040.
-    for path in sorted((p for p in folder.glob("step-*") if p.is_dir()), key=written, reverse=True):
-        try:
-            verify_dcp_checkpoint(path, weights_only=False)
-        except (FileNotFoundError, ValueError) as err:
-            if _is_rank_zero():  # once, not per rank
-                reason = str(err).removesuffix(f"; {DAMAGED_CHECKPOINT_FIX}.")
-                print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({reason}); trying the previous one.",
-                      file=sys.stderr)
-            continue
-        return path
-    return None
+    def note(path: Path, err: DamagedCheckpointError) -> None:
+        if not quiet and _is_rank_zero():  # once, not per rank
+            print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({err.problem}); trying the previous one.",
+                  file=sys.stderr)
+
+    return newest_intact_checkpoint(candidates, content=False, on_skip=note)
+
+
+def _check_checkpoint(ckpt_path: str) -> None:
+    """The quick check of an explicit ``ckpt_path`` folder, naming the last good checkpoint when it fails.
+
+    Raises:
+        ValueError: The folder is damaged (the message names the file and the newest intact older folder).
+    """
+    path = Path(ckpt_path)
+    try:
+        verify_dcp_checkpoint(path, weights_only=False, content=False)
+    except DamagedCheckpointError as err:
+        good = _latest_checkpoint(path.parent, exclude=path, quiet=True)
+        fix = (f"the last good checkpoint is {str(good)!r}: resume from it (or pass `last`)" if good is not None
+               else "no intact checkpoint is left next to it; start without --ckpt_path")
+        raise ValueError(str(err.with_fix(fix))) from err
 
 
 def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None) -> None:
     """Checks what would otherwise fail only inside every launched process.
 
     Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
-    ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent), that
-    ``data.sources`` resolve and ``data.tokenizer`` loads, that
+    ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
+    passes the quick check (:func:`_check_checkpoint`), that ``data.sources`` resolve and
+    ``data.tokenizer`` loads, that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
@@ -497,7 +539,9 @@ def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None
                         "--trainer.max_steps to train on."
                     )
             section["ckpt_path"] = None if latest is None else str(latest)
-        elif not is_dcp_checkpoint(ckpt_path):
+        elif is_dcp_checkpoint(ckpt_path):
+            _check_checkpoint(ckpt_path)
+        else:
             hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
             latest = _latest_checkpoint(Path(ckpt_path)) if Path(ckpt_path).is_dir() else None
             if latest is not None:
@@ -669,8 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM stopped training early (a
-        scheduler's preemption), so a job script can tell it from a finished run; argument errors
-        exit with status 2 through ``SystemExit``.
+        scheduler's preemption), so a job script can tell it from a finished run; 1 when the
+        non-finite guard stopped training or the checkpoint to resume from is damaged (one line on
+        stderr), or the startup gate failed; argument errors exit with status 2 through ``SystemExit``.
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "validate-model":
@@ -691,6 +736,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _is_rank_zero():
             print(f"lp-lightning: {done}", file=sys.stderr)
         return 0
+    except (NonFiniteStateError, DamagedCheckpointError) as err:
+        # The non-finite guard stopped training, or the checkpoint to resume from is damaged: every rank
+        # raised the same error; one line (step, skips, reason, FQN / file, last good checkpoint), no traceback.
+        if _is_rank_zero():
+            print(f"lp-lightning: {err}", file=sys.stderr)
+        return 1
     except RuntimeError as err:
         if _collective_failure(err):  # a peer died or the network dropped: one line per surviving rank
             print(

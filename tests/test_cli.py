@@ -265,6 +265,16 @@ def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     checkpoint = [c for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)]
     assert len(checkpoint) == 1 and checkpoint[0].every_n_steps == 20
     assert type(trainer.progress_bar_callback) is type(default_progress_bar())  # counts optimizer steps
+    assert trainer.precision_plugin.guard.max_consecutive_skips == 3 and trainer.strategy.resume_fallback is False
+
+
+def test_nonfinite_limit_reaches_the_plugin_and_a_negative_one_fails_while_parsing(tmp_path, capsys):
+    cli = LPLightningCLI(args=["--trainer.default_root_dir", str(tmp_path), "--nonfinite.max_consecutive_skips", "0"],
+                         run=False)
+    assert cli.trainer.precision_plugin.guard.max_consecutive_skips == 0
+    with pytest.raises(SystemExit) as exc:
+        parse_config(["--nonfinite.max_consecutive_skips", "-1"])
+    assert exc.value.code == 2 and "nonfinite.max_consecutive_skips" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -351,6 +361,38 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     with pytest.raises(SystemExit):
         main(["fit", *root, "--ckpt_path", str(checkpoints)])
     assert f"did you mean {str(newest)!r} (the newest checkpoint in it)" in capsys.readouterr().err
+    # A truncated .metadata and a folder saved from a non-finite state: `last` skips both, naming them; the
+    # explicit path fails naming the file and the last good checkpoint (bytes changed in place are found at load,
+    # tests/lightning/test_faults.py).
+    truncated = _fake_checkpoint(checkpoints / "step-000050")
+    (truncated / ".metadata").write_bytes((truncated / ".metadata").read_bytes()[:10])
+    import torch
+
+    from lp_lightning.distributed.checkpoint import save_dcp_checkpoint
+
+    nonfinite = save_dcp_checkpoint(checkpoints / "step-000060", model_state={"w": torch.full((64,), float("nan"))},
+                                    optimizer_states={}, metadata={}, rank=0, allow_nonfinite=True)
+    section = parse_config(root)
+    section["ckpt_path"] = "last"
+    _check_launch(section)
+    assert section["ckpt_path"] == str(newest)
+    err = capsys.readouterr().err
+    assert f"ckpt_path=last skips {str(truncated)!r} (file '.metadata' holds 10 bytes, the save wrote" in err
+    assert f"ckpt_path=last skips {str(nonfinite)!r} (it was saved from a non-finite state ('w' holds NaN/Inf))" in err
+    for damaged_path, problem in ((truncated, "file '.metadata' holds 10 bytes"), (nonfinite, "non-finite state")):
+        with pytest.raises(SystemExit) as exc:
+            main(["fit", *root, "--ckpt_path", str(damaged_path)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and f"checkpoint {str(damaged_path)!r} is damaged: " in err and problem in err
+        assert f"the last good checkpoint is {str(newest)!r}" in err
+
+    class Resolved(LPLightningCLI):
+        def _run_subcommand(self, subcommand: str) -> None:  # parse, build the Trainer, do not fit
+            pass
+
+    # `last` lets the strategy fall back further when a shard's digest fails at load; an explicit path does not.
+    assert Resolved(args=["fit", *root, "--ckpt_path", "last"]).trainer.strategy.resume_fallback is True
+    assert Resolved(args=["fit", *root, "--ckpt_path", str(newest)]).trainer.strategy.resume_fallback is False
     fresh = parse_config(["--trainer.default_root_dir", str(tmp_path / "empty")])
     fresh["ckpt_path"] = "last"
     _check_launch(fresh)  # nothing to resume yet: start from step 0, as Lightning's "last"

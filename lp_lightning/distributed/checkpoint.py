@@ -7,6 +7,8 @@ Layout of one checkpoint folder, e.g. ``<default_root_dir>/checkpoints/step-0000
     meta.pt            everything that is not a tensor view (``torch.save`` on rank 0): for the
                        Trainer the loop state (global step, epoch/batch progress), LR scheduler,
                        callback, datamodule (data position) and precision-plugin states
+    digests.json       size and SHA-256 of each file above, and whether every saved tensor was
+                       finite (:mod:`lp_lightning.distributed.integrity`)
 
 DCP keys (read them with :func:`checkpoint_tensor_keys`):
 
@@ -30,11 +32,19 @@ group) and into a run of any precision. Loading copies into the master in place;
 rebuild the 8-bit storage from it once (``LowPrecisionFabricPlugin.rebuild_after_load``, design spec §11).
 
 Writing is atomic per folder: every rank writes into a hidden sibling ``.<name>.partial/``, rank 0
-adds ``meta.pt`` last and renames the folder into place, so a run killed while saving leaves the
-previous checkpoints untouched and no folder that looks complete but is not. Loading first checks
-the folder (``meta.pt`` readable, every shard file present and long enough, every model key
-present with the model's shape) and only then copies anything into the model, so a damaged
-checkpoint fails with a message naming the file or FQN and leaves the model as it was.
+adds ``meta.pt`` and ``digests.json`` last and renames the folder into place, so a run killed while
+saving leaves the previous checkpoints untouched and no folder that looks complete but is not.
+A state holding NaN/Inf (masters, AdamW moments; one fused check over all ranks,
+:func:`~lp_lightning.distributed.finite.first_nonfinite`) is never written: the save raises
+:class:`~lp_lightning.distributed.finite.NonFiniteStateError` before creating anything.
+
+Loading first checks the folder (``meta.pt`` present, every file's size and, spread over the
+ranks, its SHA-256 against ``digests.json``; ``meta.pt`` and ``.metadata`` readable; every model
+key present with the model's shape) and only then lets DCP read, so a damaged checkpoint fails
+with :class:`~lp_lightning.distributed.integrity.DamagedCheckpointError` naming the file and leaves
+the model as it was. After DCP has read, the loaded masters and moments are checked for NaN/Inf
+(a folder without ``digests.json``, written before digests existed, is only checked this way); a
+failure there raises the same error, with the loaded values left in the model and optimizer.
 
 Both views come from ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` /
 ``get_optimizer_state_dict`` on the *HF module* (not on a wrapper such as the LightningModule,
@@ -45,7 +55,8 @@ which would prefix every key with its attribute name), and are restored with the
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +73,30 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lp_lightning.distributed.finite import NonFiniteStateError, first_nonfinite, flatten_state
+from lp_lightning.distributed.integrity import (
+    DAMAGED_CHECKPOINT_FIX,
+    DIGESTS_FILENAME,
+    DamagedCheckpointError,
+    check_files,
+    file_records,
+    read_digests,
+    write_digests,
+)
+
 __all__ = [
     "DAMAGED_CHECKPOINT_FIX",
+    "DIGESTS_FILENAME",
     "METADATA_FILENAME",
+    "DamagedCheckpointError",
+    "NonFiniteStateError",
+    "checkpoint_folders",
     "checkpoint_tensor_keys",
     "is_dcp_checkpoint",
     "load_dcp_checkpoint",
     "model_state_dict",
+    "newest_intact_checkpoint",
+    "older_checkpoints",
     "optimizer_state_dict",
     "save_dcp_checkpoint",
     "verify_dcp_checkpoint",
@@ -77,8 +105,8 @@ __all__ = [
 METADATA_FILENAME = "meta.pt"
 """Non-tensor state file inside a checkpoint folder (same name as Lightning's ``_METADATA_FILENAME``)."""
 
-DAMAGED_CHECKPOINT_FIX = "resume from another checkpoint folder (an earlier step-NNNNNN) or start without --ckpt_path"
-"""The fix that ends :func:`verify_dcp_checkpoint`'s messages about an incomplete or unreadable folder."""
+_SMALL_FILES = (".metadata", METADATA_FILENAME)
+"""Files whose digest is checked even by a quick verification (small; DCP and ``torch.load`` read them first)."""
 
 _SHARDED = StateDictOptions(full_state_dict=False, cpu_offload=False)
 
@@ -124,6 +152,32 @@ def _check_key_collisions(model_state: Mapping[str, Any], optimizer_keys: list[s
             )
 
 
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(value: Any) -> list[Any]:
+    """``value`` of every rank (``all_gather_object``), in rank order; ``[value]`` without a process group."""
+    rank, world = _rank_and_world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _dcp_files(dcp_metadata: Any) -> dict[str, int]:
+    """``{shard file: bytes it must hold at least}`` from DCP's metadata (its storage entries)."""
+    needed: dict[str, int] = {}
+    for info in dcp_metadata.storage_data.values():
+        relative_path = getattr(info, "relative_path", None)
+        if relative_path is not None:
+            needed[relative_path] = max(needed.get(relative_path, 0), int(info.offset) + int(info.length))
+    return needed
+
+
 def save_dcp_checkpoint(
     path: str | Path,
     *,
@@ -131,8 +185,13 @@ def save_dcp_checkpoint(
     optimizer_states: Mapping[str, Mapping[str, Any]],
     metadata: Mapping[str, Any],
     rank: int,
+    allow_nonfinite: bool = False,
 ) -> Path:
-    """Writes one sharded checkpoint folder (collective: every rank must call it).
+    """Writes one sharded checkpoint folder with its ``digests.json`` (collective: every rank must call it).
+
+    Order: the NaN/Inf check of every floating-point tensor (all ranks) -> ``dcp.save`` into the
+    hidden staging folder -> each rank hashes its share of DCP's files -> rank 0 writes
+    ``meta.pt`` and ``digests.json`` (temporary name, rename) -> rank 0 renames the folder into place.
 
     Args:
         path: Target folder; created if missing. An existing *file* at that path is an error.
@@ -140,6 +199,9 @@ def save_dcp_checkpoint(
         optimizer_states: ``{key: optimizer_state_dict(...)}``; each lands under ``key.``.
         metadata: Picklable non-tensor state, written to ``meta.pt`` by rank 0.
         rank: Global rank of the caller.
+        allow_nonfinite: Write a state holding NaN/Inf anyway (post-mortem), marked
+            ``"finite": false`` in ``digests.json``: :func:`verify_dcp_checkpoint` then refuses it and
+            ``--ckpt_path last`` never picks it. Default ``False``: such a state is not written.
 
     Returns:
         The folder path.
@@ -147,22 +209,38 @@ def save_dcp_checkpoint(
     Raises:
         FileExistsError: ``path`` exists and is a file.
         ValueError: An optimizer key collides with a model key.
+        NonFiniteStateError: A tensor holds NaN/Inf (on any rank) and ``allow_nonfinite`` is false;
+            nothing has been written.
     """
     path = Path(path)
     if path.is_file():
         raise FileExistsError(f"checkpoint path {str(path)!r} is a file; DCP checkpoints are folders.")
     _check_key_collisions(model_state, list(optimizer_states))
+    state: dict[str, Any] = dict(model_state)
+    state.update(optimizer_states)
+    bad = first_nonfinite(flatten_state(state))
+    if bad is not None and not allow_nonfinite:
+        raise NonFiniteStateError(
+            f"checkpoint {path.name} not written: {bad!r} holds NaN/Inf, and a checkpoint is never written from a "
+            "non-finite state (the ones on disk are kept).",
+            reason="non-finite state at checkpoint save", fqn=bad,
+        )
     staging = path.parent / f".{path.name}.partial"
     if rank == 0:
         if staging.exists():  # left by a run killed while saving
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
     _barrier()
-    state: dict[str, Any] = dict(model_state)
-    state.update(optimizer_states)
     dcp.save(state, checkpoint_id=staging)
+    _, world = _rank_and_world()
+    shards = sorted(_dcp_files(dcp.FileSystemReader(str(staging)).read_metadata()))
+    records = _gather(file_records(staging, shards[rank::world]))  # each rank hashes its share
     if rank == 0:
         torch.save(dict(metadata), staging / METADATA_FILENAME)
+        files = file_records(staging, _SMALL_FILES)
+        for part in records:
+            files.update(part)
+        write_digests(staging, files, finite=bad is None, first_nonfinite=bad)
         _move_into_place(staging, path)
     _barrier()
     return path
@@ -186,6 +264,22 @@ def _move_into_place(staging: Path, path: Path) -> None:
         staging.rename(path)
 
 
+def _check_content(path: Path, record: Mapping[str, Any] | None) -> None:
+    """Every file's SHA-256 against ``record``, the files spread over the ranks (collective).
+
+    Raises:
+        DamagedCheckpointError: On every rank, naming the first mismatching file of any rank.
+    """
+    if record is None:
+        return
+    rank, world = _rank_and_world()
+    names = sorted(record["files"])[rank::world]
+    problems = _gather(check_files(path, record, names, hash_names=names))
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise DamagedCheckpointError(path, problem)
+
+
 def load_dcp_checkpoint(
     path: str | Path,
     *,
@@ -194,10 +288,12 @@ def load_dcp_checkpoint(
     strict: bool = True,
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
-    """Restores the model view, then each optimizer view, in place; returns ``meta.pt``.
+    """Verifies the folder, restores the model view, then each optimizer view, in place; returns ``meta.pt``.
 
     Collective: every rank must call it. The model is restored first (high-precision weights),
-    then the optimizer state (design spec §11: "恢复时先恢复模型与 optimizer 高精状态").
+    then the optimizer state (design spec §11: "恢复时先恢复模型与 optimizer 高精状态"). Before DCP
+    reads, :func:`verify_dcp_checkpoint` (structure, sizes, small files) and the SHA-256 of every
+    file (spread over the ranks); after it, a NaN/Inf check of every loaded tensor.
 
     Args:
         path: A folder written by :func:`save_dcp_checkpoint`.
@@ -211,8 +307,10 @@ def load_dcp_checkpoint(
 
     Raises:
         FileNotFoundError: ``path`` is not a DCP checkpoint folder.
-        ValueError: The folder is incomplete or damaged, or does not fit ``model`` (see
-            :func:`verify_dcp_checkpoint`); nothing has been loaded.
+        DamagedCheckpointError: A file does not match its record (nothing loaded), or a loaded
+            master or moment holds NaN/Inf (the model and optimizer hold the loaded values).
+        ValueError: The folder does not fit ``model`` (see :func:`verify_dcp_checkpoint`);
+            nothing has been loaded.
     """
     path = Path(path)
     model_sd = model_state_dict(model)
@@ -222,14 +320,29 @@ def load_dcp_checkpoint(
         optimizer_keys=list(optimizers),
         strict=strict,
         weights_only=weights_only,
+        content=False,
     )
+    _check_content(path, read_digests(path))
     dcp.load(model_sd, checkpoint_id=path)
     set_model_state_dict(model, model_sd, options=StateDictOptions(strict=strict))
+    loaded = flatten_state(model_sd)
     for key, optimizer in optimizers.items():
         optim_sd = {key: optimizer_state_dict(model, optimizer)}
         dcp.load(optim_sd, checkpoint_id=path)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_sd[key], options=_SHARDED)
+        loaded.extend(flatten_state(optim_sd))
+    bad = first_nonfinite(loaded)
+    if bad is not None:
+        raise DamagedCheckpointError(path, f"{bad!r} holds NaN/Inf after loading")
     return metadata
+
+
+def _legacy_warning(path: Path) -> None:
+    warnings.warn(
+        f"checkpoint {str(path)!r} has no {DIGESTS_FILENAME} (written before content digests): its bytes are not "
+        "verified; the loaded tensors are still checked for NaN/Inf.",
+        stacklevel=3,
+    )
 
 
 def verify_dcp_checkpoint(
@@ -239,11 +352,12 @@ def verify_dcp_checkpoint(
     optimizer_keys: list[str] | tuple[str, ...] = (),
     strict: bool = True,
     weights_only: bool | None = None,
+    content: bool = True,
 ) -> dict[str, Any]:
     """Checks a checkpoint folder before anything is loaded from it; returns its ``meta.pt``.
 
-    Reads ``meta.pt`` and ``.metadata`` and stats the shard files; reads no tensor data and
-    needs no process group.
+    Reads ``digests.json``, ``meta.pt`` and ``.metadata``, stats every file and, with ``content``,
+    recomputes every file's SHA-256 (one read of the whole checkpoint); needs no process group.
 
     Args:
         path: A folder written by :func:`save_dcp_checkpoint`.
@@ -253,16 +367,19 @@ def verify_dcp_checkpoint(
         optimizer_keys: Optimizer view keys that must be present (``"optimizer"`` for the Trainer).
         strict: Require every key of ``model_state``.
         weights_only: Forwarded to ``torch.load`` for ``meta.pt``.
+        content: Hash every file; ``False`` hashes only ``.metadata`` and ``meta.pt`` and checks
+            the shard files' sizes (what ``--ckpt_path`` checks at launch; the load hashes the rest).
 
     Returns:
         The metadata dict saved in ``meta.pt``.
 
     Raises:
         FileNotFoundError: ``path`` is not a folder with a DCP ``.metadata`` file.
-        ValueError: ``meta.pt`` or ``.metadata`` is missing or unreadable, a shard file is
-            missing or shorter than the metadata says (a save that was cut short), a model key is
-            missing or has another shape, or an optimizer view is absent. The message names the
-            file or FQN, what was expected and found, and the fix.
+        DamagedCheckpointError: ``meta.pt`` is missing, a file is missing, has another size or
+            digest than at save, the save was marked non-finite, ``meta.pt`` or ``.metadata`` is
+            unreadable, or (no ``digests.json``) a shard file is shorter than the metadata says.
+        ValueError: A model key is missing or has another shape, or an optimizer view is absent.
+            The message names the file or FQN, what was expected and found, and the fix.
     """
     path = Path(path)
     if not is_dcp_checkpoint(path):
@@ -270,31 +387,36 @@ def verify_dcp_checkpoint(
             f"{str(path)!r} is not a DCP checkpoint folder (no .metadata file); pass a folder such "
             f"as <default_root_dir>/checkpoints/step-000050."
         )
-    fix = DAMAGED_CHECKPOINT_FIX
     meta_file = path / METADATA_FILENAME
     if not meta_file.is_file():
-        raise ValueError(f"checkpoint {str(path)!r} has no {METADATA_FILENAME} (the loop and data state); {fix}.")
+        raise DamagedCheckpointError(path, f"it has no {METADATA_FILENAME} (the loop and data state)")
+    record = read_digests(path)
+    if record is None:
+        _legacy_warning(path)
+    else:
+        if not record["finite"]:
+            raise DamagedCheckpointError(
+                path, f"it was saved from a non-finite state ({record.get('first_nonfinite')!r} holds NaN/Inf)"
+            )
+        names = list(record["files"])
+        problem = check_files(path, record, names, hash_names=names if content else _SMALL_FILES)
+        if problem is not None:
+            raise DamagedCheckpointError(path, problem)
     try:
         metadata = torch.load(meta_file, weights_only=weights_only)
         dcp_metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # any unpickling / format error: name the folder, keep the cause
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); {fix}.") from exc
+        raise DamagedCheckpointError(path, f"it cannot be read ({type(exc).__name__}: {exc})") from exc
     if not isinstance(metadata, dict):
-        raise ValueError(f"{str(meta_file)!r} holds a {type(metadata).__name__}, expected a dict; {fix}.")
-    needed: dict[str, int] = {}
-    for info in dcp_metadata.storage_data.values():
-        relative_path = getattr(info, "relative_path", None)
-        if relative_path is not None:
-            end = int(info.offset) + int(info.length)
-            needed[relative_path] = max(needed.get(relative_path, 0), end)
-    for name, end in sorted(needed.items()):
+        raise DamagedCheckpointError(path, f"{METADATA_FILENAME} holds a {type(metadata).__name__}, expected a dict")
+    for name, end in sorted(_dcp_files(dcp_metadata).items()):
         shard = path / name
         size = shard.stat().st_size if shard.is_file() else None
         if size is None or size < end:
             found = "missing" if size is None else f"{size} bytes"
-            raise ValueError(
-                f"checkpoint {str(path)!r} is incomplete: shard file {name!r} should hold at least "
-                f"{end} bytes, found {found} (a save cut short, or a copy that lost files); {fix}."
+            raise DamagedCheckpointError(
+                path, f"shard file {name!r} should hold at least {end} bytes, found {found} (a save cut short, or a "
+                "copy that lost files)",
             )
     saved = dcp_metadata.state_dict_metadata
     for fqn, tensor in (model_state or {}).items():
@@ -337,3 +459,78 @@ def checkpoint_tensor_keys(path: str | Path) -> dict[str, Any]:
         ``FileSystemReader(path).read_metadata().state_dict_metadata`` as a dict.
     """
     return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def checkpoint_folders(folder: str | Path) -> list[Path]:
+    """The ``step-*`` checkpoint folders under ``folder``, most recently written first.
+
+    Ordered by the time ``meta.pt`` was written (just before the folder's rename), then by name:
+    after a rerun into the same folder, the rerun's ``step-000036`` comes before an earlier run's
+    ``step-000040``. Hidden ``.partial`` folders (saves cut short) never appear.
+    """
+    def written(path: Path) -> tuple[float, str]:
+        meta = path / METADATA_FILENAME
+        return (meta.stat().st_mtime if meta.is_file() else 0.0, path.name)
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.glob("step-*") if p.is_dir()), key=written, reverse=True)
+
+
+def _intact_problem(path: Path, *, content: bool) -> DamagedCheckpointError | None:
+    """Why ``path`` cannot be resumed from (the same answer on every rank), or ``None``."""
+    try:
+        verify_dcp_checkpoint(path, weights_only=False, content=False)
+        problem = None
+    except FileNotFoundError:
+        problem = "it is not a DCP checkpoint folder (no .metadata file)"
+    except DamagedCheckpointError as err:
+        problem = err.problem
+    problem = next((p for p in _gather(problem) if p is not None), None)  # any rank's finding
+    if problem is not None:
+        return DamagedCheckpointError(path, problem)
+    if content:
+        try:
+            _check_content(path, read_digests(path))
+        except DamagedCheckpointError as err:
+            return err
+    return None
+
+
+def newest_intact_checkpoint(
+    candidates: Sequence[str | Path],
+    *,
+    content: bool,
+    on_skip: Any = None,
+) -> Path | None:
+    """The first of ``candidates`` that passes its checks (newest first: see :func:`checkpoint_folders`).
+
+    Collective when a process group exists (``content`` hashes every file, spread over the ranks);
+    without one, each call checks alone (``content=False`` is what the CLI runs at launch).
+
+    Args:
+        candidates: Checkpoint folders in order of preference.
+        content: Also recompute every file's SHA-256 (else: structure, sizes and the small files).
+        on_skip: Optional ``on_skip(path, error)`` called for each candidate that fails.
+
+    Returns:
+        The first intact folder, or ``None`` when every candidate fails.
+    """
+    for candidate in map(Path, candidates):
+        problem = _intact_problem(candidate, content=content)
+        if problem is None:
+            return candidate
+        if on_skip is not None:
+            on_skip(candidate, problem)
+    return None
+
+
+def older_checkpoints(path: str | Path) -> list[Path]:
+    """The ``step-*`` siblings of ``path`` written before it, newest first (all siblings when ``path`` is not one)."""
+    path = Path(path)
+    folders = checkpoint_folders(path.parent)
+    resolved = [p.resolve() for p in folders]
+    if path.resolve() in resolved:
+        return folders[resolved.index(path.resolve()) + 1:]
+    return folders

@@ -20,6 +20,11 @@ quantising the full master with that scale (design spec §9.2). The reduction is
 so ranks never disagree because a NaN compared differently. Per-block (MXFP8) and per-group
 (HiF8 grouped; experts never split) scales are local and need no communication.
 
+Finiteness: the report carries each refreshed weight's local master amax (the per-tensor amax
+computed for the reduction above where there is one, else one ``max |master|`` per weight), so the
+non-finite guard learns whether a master holds NaN/Inf without reading the masters again
+(:func:`lp_lightning.distributed.finite.first_nonfinite`; docs/architecture.md "The non-finite guard").
+
 Counting (for tests and the ST probe's ``refresh.per_step``): each weight keeps
 ``refresh_count``; :class:`RefreshRecorder` records every storage build in the process while
 active; ``lp_lightning.tensor.storage.total_refresh_count()`` is the process-wide total.
@@ -88,11 +93,14 @@ class RefreshReport:
         refreshed: FQNs rebuilt, in call order (each exactly once).
         skipped: Number of parameters that hold no low-precision weight (left untouched).
         amax_all_reduces: Number of ``all_reduce(MAX)`` collectives issued (per-tensor scales).
+        master_amax: One FP32 0-d tensor per ``refreshed`` weight: ``max |x|`` of this rank's master
+            shard before the refresh (0 for an empty shard; NaN/Inf when the shard holds one).
     """
 
     refreshed: tuple[str, ...]
     skipped: int
     amax_all_reduces: int
+    master_amax: tuple[torch.Tensor, ...] = ()
 
 
 @torch.no_grad()
@@ -155,6 +163,7 @@ def refresh_low_precision_weights(
 
     # Per-tensor scales (HiF8 dense): MAX-reduce the local amaxes per shard group (one collective per group).
     amax_for: dict[int, torch.Tensor] = {}
+    local_amax: dict[int, torch.Tensor] = {}  # before the reduction: what this rank's master holds
     by_group: dict[int, tuple[dist.ProcessGroup, list[QuantizedWeightTensor]]] = {}
     for param, local in entries:
         if local.amax_scope is AmaxScope.TENSOR:
@@ -164,14 +173,28 @@ def refresh_low_precision_weights(
     reduces = 0
     for group, weights in by_group.values():
         amax = torch.stack([w.local_amax() for w in weights])
+        local_amax.update((id(w._state), value) for w, value in zip(weights, amax.unbind(0)))
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         reduces += 1
         for w, value in zip(weights, amax.unbind(0)):
             amax_for[id(w._state)] = value
+    master_amax = tuple(
+        local_amax[id(local._state)] if id(local._state) in local_amax else _master_amax(local) for _, local in entries
+    )
     for _, local in entries:
         local.refresh_from_master(amax=amax_for.get(id(local._state)))
-    return RefreshReport(refreshed=tuple(local.fqn for _, local in entries), skipped=skipped, amax_all_reduces=reduces)
+    return RefreshReport(
+        refreshed=tuple(local.fqn for _, local in entries), skipped=skipped, amax_all_reduces=reduces,
+        master_amax=master_amax,
+    )
+
+
+def _master_amax(weight: QuantizedWeightTensor) -> torch.Tensor:
+    master = weight.master
+    if master.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=master.device)
+    return master.detach().abs().amax().to(torch.float32)
 
 
 def refresh_count(param: torch.Tensor) -> int:

@@ -94,6 +94,16 @@ key                          meaning
                              call skipped for a non-finite gradient norm), ``startup`` /
                              ``resume`` (full rebuilds after ``fully_shard`` / a checkpoint load);
                              ``null`` in ``bf16``
+``nonfinite``                 the non-finite guard (docs/architecture.md "The non-finite guard"):
+                             ``max_consecutive_skips`` (the limit; 0 = none), ``skipped_steps``
+                             (steps of this call skipped for a non-finite gradient norm, every
+                             precision), ``consecutive_skips`` (skipped in a row at the end),
+                             ``skips`` (``[{"step", "reason", "fqn"}]`` per skipped step: the
+                             reason — ``"non-finite gradient"``, ``"non-finite master weight"``,
+                             ``"gradient norm overflow"`` — and the first offending FQN) and
+                             ``stopped``: ``null``, or why the guard stopped the run
+                             (``{"step", "reason", "fqn", "consecutive_skips", "message",
+                             "resume_checkpoint"}``; the summary is then written at the stop)
 ``wire``                     ``all_gather_bytes`` / ``reduce_scatter_bytes`` /
                              ``all_reduce_bytes`` (dtype name -> bytes of this rank's collective
                              inputs per optimizer step), ``high_precision_gathers_of_replaced``
@@ -128,6 +138,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lp_lightning.distributed.finite import NonFiniteStateError
 from lp_lightning.versions import software_versions
 
 __all__ = ["PeriodicCheckpoint", "RunSummaryCallback", "checkpoint_dirname"]
@@ -157,6 +168,8 @@ class PeriodicCheckpoint(Checkpoint):
 
     Attributes:
         saved: Checkpoint folders written by this callback during the current ``fit``.
+        last_checkpoint: The newest checkpoint of this run: the last one saved, else the one the
+            run resumed from (``None`` if neither); named when the non-finite guard stops the run.
     """
 
     def __init__(self, every_n_steps: int = 50, dirpath: str | None = None, save_last: bool = True) -> None:
@@ -167,6 +180,7 @@ class PeriodicCheckpoint(Checkpoint):
         self.save_last = save_last
         self.saved: list[str] = []
         self._last_saved_step: int | None = None
+        self._resumed_from: str | None = None
 
     def _dir(self, trainer: pl.Trainer) -> Path:
         return Path(self.dirpath) if self.dirpath is not None else Path(trainer.default_root_dir) / "checkpoints"
@@ -177,10 +191,16 @@ class PeriodicCheckpoint(Checkpoint):
         self._last_saved_step = trainer.global_step
         self.saved.append(str(path))
 
+    @property
+    def last_checkpoint(self) -> str | None:
+        return self.saved[-1] if self.saved else self._resumed_from
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.saved = []
         self._last_saved_step = trainer.global_step  # the restored step is already on disk
+        restored = getattr(trainer.strategy, "loaded_checkpoint", None) or trainer.ckpt_path
+        self._resumed_from = None if restored is None else str(restored)
         folder = self._dir(trainer)
         earlier = sorted(p.name for p in folder.glob("step-*")) if folder.is_dir() else []
         if trainer.global_step == 0 and earlier:
@@ -201,7 +221,13 @@ class PeriodicCheckpoint(Checkpoint):
         micro-batches of the next step already ran) nothing is saved — a checkpoint there would
         hold a data position inside a step whose partial gradients are lost — so the resume point
         is the last checkpoint on disk, and the message says which step that is.
+
+        When the non-finite guard stopped the run
+        (:class:`~lp_lightning.distributed.finite.NonFiniteStateError`), nothing is saved and the
+        error is told :attr:`last_checkpoint`, the resume point.
         """
+        if isinstance(exception, NonFiniteStateError) and exception.resume_checkpoint is None:
+            exception.resume_checkpoint = self.last_checkpoint
         if not isinstance(exception, SIGTERMException) or not trainer.training:
             return
         step = trainer.global_step
@@ -318,6 +344,8 @@ class RunSummaryCallback(Callback):
         self._refresh: Any = None
         self._wire: Any = None
         self._skipped_at_start = 0
+        self._events_at_start = 0
+        self._stop: NonFiniteStateError | None = None
         self._first_step = first_step
         self._last_step = first_step
         self._t0: float | None = None
@@ -338,6 +366,8 @@ class RunSummaryCallback(Callback):
         plugin = trainer.precision_plugin
         policy = getattr(plugin, "policy", None)
         self._skipped_at_start = int(getattr(plugin, "optimizer_steps_skipped", 0))
+        guard = getattr(plugin, "guard", None)
+        self._events_at_start = len(guard.events) if guard is not None else 0
         if policy is not None and policy.enabled:  # bf16 imports nothing of the low-precision stack
             self._gemms = GemmRoleCounter().__enter__()
             self._refresh = RefreshCounter().__enter__()
@@ -357,6 +387,14 @@ class RunSummaryCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Stops the recorders; when the non-finite guard stopped the run, writes the summary now.
+
+        The guard raises on every rank alike, so the summary's collectives are safe here.
+        """
+        if isinstance(exception, NonFiniteStateError) and trainer.training:
+            self._stop = exception
+            self.on_train_end(trainer, pl_module)
+            self.on_fit_end(trainer, pl_module)
         self._stop_recorders()
         self._gemms = self._refresh = self._wire = None
 
@@ -497,7 +535,30 @@ class RunSummaryCallback(Callback):
             "losses": list(self._losses),
             "grad_norms": list(self._grad_norms),
             "step_times_s": list(self._step_times),
+            "nonfinite": self._nonfinite(trainer),
             **self._low_precision_sections(trainer),
+        }
+
+    def _nonfinite(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        plugin = trainer.precision_plugin
+        guard = getattr(plugin, "guard", None)
+        if guard is None:
+            return None
+        stopped = None
+        if self._stop is not None:
+            stopped = self._stop.as_dict()
+            if stopped["step"] is None:  # raised by a save: the step it was saving
+                stopped["step"] = trainer.global_step
+            if stopped["resume_checkpoint"] is None:
+                callbacks = trainer.callbacks  # type: ignore[attr-defined]
+                saved = [c.last_checkpoint for c in callbacks if isinstance(c, PeriodicCheckpoint)]
+                stopped["resume_checkpoint"] = saved[0] if saved else None
+        return {
+            "max_consecutive_skips": guard.max_consecutive_skips,
+            "skipped_steps": int(plugin.optimizer_steps_skipped) - self._skipped_at_start,
+            "consecutive_skips": guard.consecutive_skips,
+            "skips": [dict(event) for event in guard.events[self._events_at_start:]],
+            "stopped": stopped,
         }
 
     @staticmethod

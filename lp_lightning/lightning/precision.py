@@ -35,6 +35,12 @@ a step skipped by AMP's grad scaler. A step whose parameters have no gradient at
 micro-batch's ``training_step`` returned ``None``) is a no-op: ``optimizer.step()`` is not called,
 nothing is refreshed and it is not counted as applied.
 
+The non-finite guard (:class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`, :attr:`guard`)
+diagnoses each skipped step (a NaN/Inf master, the first non-finite gradient, or a norm overflow),
+checks the masters after every applied step (from the refresh's amax for the low-precision
+weights) and stops the run with :class:`~lp_lightning.distributed.finite.NonFiniteStateError`
+after ``max_consecutive_skips`` skipped steps in a row, or at once when a master holds NaN/Inf.
+
 Plugins are passed to Lightning as instances (``plugins=[LowPrecisionPlugin("mxfp8")]``), which
 bypasses the built-in precision strings of Lightning's connector. There is no
 autocast: FSDP2's ``MixedPrecisionPolicy`` casts the gathered plain weights to BF16, the
@@ -59,6 +65,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lp_lightning.distributed.fsdp import default_mixed_precision_policy, total_grad_norm
+from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
 from lp_lightning.policy import LowPrecisionConfig, LowPrecisionPolicy, PrecisionName
 
 if TYPE_CHECKING:
@@ -110,12 +117,17 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             ``plan_overrides`` YAML (``configs/plan_deepseek_v3.yaml``); ``None`` uses the model
             adapter's ``default_replacement_rules`` of the model's config
             (:class:`~lp_lightning.models.adapter.ModelAdapter`). Ignored in ``bf16``.
+        max_consecutive_skips: Stop the run after this many skipped steps in a row (``0``: no
+            limit); see :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`.
 
     Attributes:
         mode: The ``precision`` string.
         policy: The read-only :class:`~lp_lightning.policy.LowPrecisionPolicy` of ``mode``.
         optimizer_steps_applied: ``optimizer.step()`` calls that completed (restored on resume).
         optimizer_steps_skipped: Steps skipped for a non-finite gradient norm (restored on resume).
+        guard: The :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard` (skip streak,
+            ``events`` per skipped step, the ``stop`` error); its ``consecutive_skips`` is restored
+            on resume.
         last_step_applied: Whether the last ``optimizer_step`` call stepped the optimizer.
         replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module`
             (``None`` in ``bf16`` or before conversion).
@@ -124,7 +136,8 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             (each call rebuilds every weight once).
 
     Raises:
-        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`.
+        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`, or
+            ``max_consecutive_skips`` is negative.
     """
 
     precision = "bf16-mixed"
@@ -136,6 +149,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         skip_nonfinite_steps: bool = True,
         backend: BackendChoice = "auto",
         plan_rules: Sequence[ReplacementRule] | str | None = None,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         if backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not an op backend; choose one of {list(BACKEND_CHOICES)}.")
@@ -157,6 +171,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
         self.plan_rules = plan_rules
         self.optimizer_steps_applied: int = 0
         self.optimizer_steps_skipped: int = 0
+        self.guard = NonFiniteGuard(max_consecutive_skips)
         self.last_step_applied: bool = False
         self.replacement_report: ReplacementReport | None = None
         self.low_precision_weights: tuple[str, ...] = ()
@@ -417,8 +432,16 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
         return [p for group in optimizer.param_groups for p in group["params"]]
 
+    @property
+    def _step_index(self) -> int:
+        return self.optimizer_steps_applied + self.optimizer_steps_skipped
+
     def _step_and_refresh(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Finite check, ``optimizer.step(**kwargs)``, refresh. Returns what ``optimizer.step`` returned."""
+        """Finite check, ``optimizer.step(**kwargs)``, refresh, master check. Returns what ``optimizer.step`` returned.
+
+        Raises:
+            NonFiniteStateError: The guard stops the run (module docstring), on every rank alike.
+        """
         params = self._optimizer_params(optimizer)
         with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
@@ -429,21 +452,19 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             if not bool(torch.isfinite(norm)):
                 self.optimizer_steps_skipped += 1
                 self.last_step_applied = False
-                log.warning(
-                    "non-finite gradient norm %s: optimizer step skipped (no weight update, no low-precision "
-                    "refresh); %d step(s) skipped so far.",
-                    float(norm),
-                    self.optimizer_steps_skipped,
-                )
+                self.guard.skipped(params, step=self._step_index, norm=float(norm), low_precision=self.policy.enabled)
                 return None
         out = optimizer.step(**kwargs)
         self.optimizer_steps_applied += 1
         self.last_step_applied = True
+        refreshed_amax: tuple[torch.Tensor, ...] = ()
         if self.policy.enabled:
             from lp_lightning.integration import refresh_low_precision_weights
 
-            refresh_low_precision_weights(params)
+            refreshed_amax = refresh_low_precision_weights(params).master_amax
             self.refreshes["step"] += 1
+        self.guard.applied(params, step=self._step_index, low_precision=self.policy.enabled,
+                           refreshed_amax=refreshed_amax)
         return out
 
     @override
@@ -461,11 +482,12 @@ class LowPrecisionFabricPlugin(FabricPrecision):
     # -- checkpoint state --------------------------------------------------------------------------
     @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped"}``, stored in ``meta.pt``."""
+        """``{"mode", "optimizer_steps_applied", "optimizer_steps_skipped", "consecutive_skips"}`` (``meta.pt``)."""
         return {
             "mode": self.mode,
             "optimizer_steps_applied": self.optimizer_steps_applied,
             "optimizer_steps_skipped": self.optimizer_steps_skipped,
+            "consecutive_skips": self.guard.consecutive_skips,
         }
 
     @override
@@ -489,6 +511,7 @@ class LowPrecisionFabricPlugin(FabricPrecision):
             )
         self.optimizer_steps_applied = int(state_dict.get("optimizer_steps_applied", 0))
         self.optimizer_steps_skipped = int(state_dict.get("optimizer_steps_skipped", 0))
+        self.guard.consecutive_skips = int(state_dict.get("consecutive_skips", 0))  # a skip streak spans a resume
 
 
 class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):
@@ -505,8 +528,8 @@ class LowPrecisionPlugin(Precision, LowPrecisionFabricPlugin):
 
     Args:
         precision: ``"bf16"``, ``"mxfp8"`` or ``"hif8"``.
-        skip_nonfinite_steps: See :class:`LowPrecisionFabricPlugin`.
-        plan_rules: See :class:`LowPrecisionFabricPlugin`.
+        skip_nonfinite_steps, backend, plan_rules, max_consecutive_skips: See
+            :class:`LowPrecisionFabricPlugin`.
     """
 
     @override

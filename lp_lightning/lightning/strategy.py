@@ -70,8 +70,11 @@ from typing_extensions import override
 
 from lp_lightning.config import ActivationCheckpointMode, FSDP2Config
 from lp_lightning.distributed.checkpoint import (
+    DamagedCheckpointError,
     load_dcp_checkpoint,
     model_state_dict,
+    newest_intact_checkpoint,
+    older_checkpoints,
     optimizer_state_dict,
     save_dcp_checkpoint,
 )
@@ -114,6 +117,14 @@ def _resolve_causal_lm(module: nn.Module) -> nn.Module:
     from lp_lightning.models.adapter import adapter_for
 
     return adapter_for(module).causal_lm(module)
+
+
+def _with_intact_fix(err: DamagedCheckpointError, path: Path) -> DamagedCheckpointError:
+    """``err`` whose fix names the newest intact checkpoint written before ``path`` (collective search)."""
+    good = newest_intact_checkpoint(older_checkpoints(path), content=True)
+    if good is None:
+        return err.with_fix(f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path")
+    return err.with_fix(f"the last good checkpoint is {str(good)!r}: resume from it (or pass --ckpt_path last)")
 
 
 def _check_materialized(module: nn.Module) -> None:
@@ -162,10 +173,12 @@ class _FSDP2Common:
         self._device_mesh = build_dp_mesh(self.root_device.type, dp_shard_size)  # type: ignore[attr-defined]
         return self._device_mesh
 
-    def _record_parallelization(self, record: ParallelizationRecord) -> None:
-        """Keeps what setup did; says (rank 0) which low-precision weights stay replicated."""
+    def _record_parallelization(self, record: ParallelizationRecord, causal_lm: nn.Module) -> None:
+        """Keeps what setup did; names the sharded parameters for the non-finite guard; says (rank 0)
+        which low-precision weights stay replicated."""
         if "refresh_low_precision" in record.steps:
             self.low_precision_plugin.note_startup_refresh()  # type: ignore[attr-defined]
+        self.low_precision_plugin.guard.name_parameters(causal_lm)  # type: ignore[attr-defined]
         self.parallelization = record
         if record.input_dim_sharded:
             rank_zero_info(
@@ -207,6 +220,10 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         fsdp_config: Sharding configuration (design spec §4.3); ``None`` means ``FSDP2Config()``.
         process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
         timeout: Process-group timeout.
+        resume_fallback: When the checkpoint to resume from is damaged (a file that does not match
+            its digest, NaN/Inf in what was read), warn naming it and load the newest intact
+            ``step-*`` folder written before it instead; ``lp-lightning fit --ckpt_path last`` sets
+            it. ``False``: fail, naming the file and the last good checkpoint.
     """
 
     def __init__(
@@ -214,6 +231,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         fsdp_config: FSDP2Config | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        resume_fallback: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
@@ -223,6 +241,9 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             timeout=timeout,
         )
         self._init_fsdp2(fsdp_config)
+        self.resume_fallback = resume_fallback
+        self.loaded_checkpoint: str | None = None
+        """The checkpoint folder the last ``load_checkpoint`` restored (after any fallback)."""
 
     @property
     def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
@@ -296,7 +317,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
-            self._record_parallelization(record)
+            self._record_parallelization(record, parallel_lm)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -361,20 +382,39 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         Lightning restores loops, LR schedulers, callbacks, datamodule and plugin state from the
         returned dict (``lightning_restore_optimizer`` is ``False``: the optimizer is restored here).
         Then the low-precision weights are rebuilt once from the restored FP32 masters (design spec §11;
-        the checkpoint holds no derived data, so it may come from another precision).
+        the checkpoint holds no derived data, so it may come from another precision). A damaged
+        checkpoint (:class:`~lp_lightning.distributed.checkpoint.DamagedCheckpointError`) is replaced
+        by the newest intact older one with ``resume_fallback``, else fails naming that one.
+
+        Raises:
+            DamagedCheckpointError: The checkpoint (and, with ``resume_fallback``, every older one)
+                is damaged; the message names the file and the last good checkpoint.
         """
         path = Path(self.broadcast(checkpoint_path))
         optimizers = self.optimizers
         if len(optimizers) > 1:
             raise ValueError(f"{type(self).__name__} checkpoints hold one optimizer; got {len(optimizers)}.")
         assert self.lightning_module is not None
-        metadata = load_dcp_checkpoint(
-            path,
-            model=self._causal_lm(),
-            optimizers={OPTIMIZER_CHECKPOINT_KEY: optimizers[0]} if optimizers else {},
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-        )
+        candidates = [path, *(older_checkpoints(path) if self.resume_fallback else ())]
+        for index, candidate in enumerate(candidates):
+            try:
+                metadata = load_dcp_checkpoint(
+                    candidate,
+                    model=self._causal_lm(),
+                    optimizers={OPTIMIZER_CHECKPOINT_KEY: optimizers[0]} if optimizers else {},
+                    strict=self.lightning_module.strict_loading,
+                    weights_only=weights_only,
+                )
+                break
+            except DamagedCheckpointError as err:
+                if not self.resume_fallback:
+                    raise _with_intact_fix(err, path) from err
+                if index + 1 == len(candidates):
+                    raise err.with_fix(
+                        f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path"
+                    ) from err
+                rank_zero_warn(f"ckpt_path=last skips {str(candidate)!r} ({err.problem}); trying the previous one.")
+        self.loaded_checkpoint = str(candidate)
         self.low_precision_plugin.rebuild_after_load(self._causal_lm())
         return metadata
 
@@ -450,7 +490,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             input_dim_sharding=self.fsdp_config.input_dim_sharding,
         )
         assert parallel_lm is causal_lm
-        self._record_parallelization(record)
+        self._record_parallelization(record, causal_lm)
         return module
 
     @override
@@ -534,6 +574,8 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
 
         Raises:
             ValueError: ``state`` is not a dict holding exactly one module.
+            DamagedCheckpointError: A file does not match its digest, or NaN/Inf was read; the
+                message names the file and the newest intact checkpoint written before it.
             KeyError: ``strict`` and a requested metadata entry is missing from the checkpoint.
         """
         if not isinstance(state, dict):
@@ -543,10 +585,13 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             )
         path = Path(self.broadcast(path))
         _, module, optimizers, rest = self._split_state(state)
-        metadata = load_dcp_checkpoint(
-            path, model=_resolve_causal_lm(module), optimizers=optimizers, strict=strict,
-            weights_only=weights_only,
-        )
+        try:
+            metadata = load_dcp_checkpoint(
+                path, model=_resolve_causal_lm(module), optimizers=optimizers, strict=strict,
+                weights_only=weights_only,
+            )
+        except DamagedCheckpointError as err:
+            raise _with_intact_fix(err, path) from err
         self.low_precision_plugin.rebuild_after_load(module)
         missing = [k for k in rest if k not in metadata]
         if strict and missing:

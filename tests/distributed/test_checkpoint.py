@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
 from lp_lightning.distributed.checkpoint import (
+    DIGESTS_FILENAME,
     METADATA_FILENAME,
+    DamagedCheckpointError,
+    NonFiniteStateError,
     checkpoint_tensor_keys,
     is_dcp_checkpoint,
     load_dcp_checkpoint,
     model_state_dict,
     optimizer_state_dict,
     save_dcp_checkpoint,
+    verify_dcp_checkpoint,
 )
 from lp_lightning.distributed.fsdp import build_dp_mesh, default_mixed_precision_policy, parallelize_causal_lm
 from lp_lightning.models.deepseek_v3 import from_hf_config
@@ -128,6 +134,25 @@ def test_save_is_atomic_and_overwrites_in_place(tmp_path, single_rank_group, mon
     assert torch.load(tmp_path / "step-000002" / METADATA_FILENAME) == {"global_step": 3}
 
 
+def _largest_item(path) -> tuple[str, int, int]:
+    """(shard file, offset, length) of the largest tensor DCP wrote into ``path`` (raw bytes)."""
+    import torch.distributed.checkpoint as dcp
+
+    infos = dcp.FileSystemReader(str(path)).read_metadata().storage_data.values()
+    info = max(infos, key=lambda i: int(i.length))
+    return info.relative_path, int(info.offset), int(info.length)
+
+
+def _overwrite_4k(path) -> str:
+    """Overwrites 4 KiB inside the largest tensor of ``path`` with 0xFF (NaN as FP32); returns the file name."""
+    name, offset, length = _largest_item(path)
+    assert length >= 3 * 4096
+    with open(path / name, "r+b") as stream:
+        stream.seek(offset + length // 2)
+        stream.write(b"\xff" * 4096)
+    return name
+
+
 def test_damaged_checkpoints_fail_before_anything_is_loaded(tmp_path, single_rank_group):
     import shutil
 
@@ -136,9 +161,11 @@ def test_damaged_checkpoints_fail_before_anything_is_loaded(tmp_path, single_ran
     model, optimizer = _sharded_tiny(seed=1)
     before = _masters(model)
 
-    def damaged(name: str):
+    def damaged(name: str, legacy: bool = False):
         path = tmp_path / name
         shutil.copytree(good, path)
+        if legacy:  # a folder written before digests.json existed
+            (path / DIGESTS_FILENAME).unlink()
         return path
 
     no_meta = damaged("no_meta")
@@ -148,18 +175,41 @@ def test_damaged_checkpoints_fail_before_anything_is_loaded(tmp_path, single_ran
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     missing_shard = damaged("missing_shard")
     (missing_shard / "__0_0.distcp").unlink()
+    flipped = damaged("flipped")  # same size, 4 KiB of 0xFF inside a tensor: only the digest sees it
+    flipped_file = _overwrite_4k(flipped)
+    truncated_metadata = damaged("truncated_metadata")
+    dcp_meta = truncated_metadata / ".metadata"
+    dcp_meta.write_bytes(dcp_meta.read_bytes()[:100])
     garbage_meta = damaged("garbage_meta")
     (garbage_meta / METADATA_FILENAME).write_bytes(b"not a pickle")
+    garbage_digests = damaged("garbage_digests")
+    (garbage_digests / DIGESTS_FILENAME).write_text("{")
+    legacy_truncated = damaged("legacy_truncated", legacy=True)
+    shard = legacy_truncated / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    legacy_garbage_meta = damaged("legacy_garbage_meta", legacy=True)
+    (legacy_garbage_meta / METADATA_FILENAME).write_bytes(b"not a pickle")
     cases = [
         (no_meta, "has no meta.pt"),
-        (truncated, r"shard file '__0_0.distcp' should hold at least \d+ bytes, found \d+ bytes"),
-        (missing_shard, r"shard file '__0_0.distcp' should hold at least \d+ bytes, found missing"),
-        (garbage_meta, "cannot be read"),
+        (truncated, r"file '__0_0.distcp' holds \d+ bytes, the save wrote \d+"),
+        (missing_shard, "file '__0_0.distcp' is missing"),
+        (flipped, f"file '{flipped_file}' does not match its SHA-256 digest"),
+        (truncated_metadata, r"file '.metadata' holds 100 bytes, the save wrote \d+"),
+        (garbage_meta, r"file 'meta.pt' holds 12 bytes"),
+        (garbage_digests, "digests.json cannot be read"),
+        (legacy_truncated, r"shard file '__0_0.distcp' should hold at least \d+ bytes, found \d+ bytes"),
+        (legacy_garbage_meta, "cannot be read"),
     ]
     for path, message in cases:
-        with pytest.raises(ValueError, match=message) as info:
-            load_dcp_checkpoint(path, model=model, optimizers={"optimizer": optimizer})
-        assert "resume from another checkpoint folder" in str(info.value)
+        with pytest.warns(UserWarning, match="no digests.json") if "legacy" in path.name else nullcontext():
+            with pytest.raises(DamagedCheckpointError, match=message) as info:
+                load_dcp_checkpoint(path, model=model, optimizers={"optimizer": optimizer})
+        assert str(path) in str(info.value) and "resume from another checkpoint folder" in str(info.value)
+    # The quick check (what --ckpt_path runs at launch) sees all but the flipped bytes, which only the load's
+    # digests find.
+    assert verify_dcp_checkpoint(flipped, content=False) == {"global_step": 1}
+    with pytest.raises(DamagedCheckpointError, match="does not match its SHA-256 digest"):
+        verify_dcp_checkpoint(flipped)
     # A model-only checkpoint asked for its optimizer view.
     weights_only = save_dcp_checkpoint(
         tmp_path / "weights", model_state=model_state_dict(source), optimizer_states={}, metadata={}, rank=0
@@ -169,6 +219,66 @@ def test_damaged_checkpoints_fail_before_anything_is_loaded(tmp_path, single_ran
     after = _masters(model)
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was half-applied
     assert load_dcp_checkpoint(good, model=model, optimizers={"optimizer": optimizer}) == {"global_step": 1}
+
+
+def test_digests_record_every_file(tmp_path, single_rank_group):
+    import hashlib
+    import json
+
+    model, optimizer = _sharded_tiny(seed=0)
+    path = _save(model, optimizer, tmp_path / "step-000001", 1)
+    record = json.loads((path / DIGESTS_FILENAME).read_text())
+    assert record["algorithm"] == "sha256" and record["finite"] is True and record["first_nonfinite"] is None
+    on_disk = {p.name for p in path.iterdir()} - {DIGESTS_FILENAME}
+    assert set(record["files"]) == on_disk == {".metadata", "__0_0.distcp", METADATA_FILENAME}
+    for name, entry in record["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+def test_a_legacy_checkpoint_with_nan_bytes_fails_after_loading(tmp_path, single_rank_group):
+    """Without digests (written before them) the flipped bytes load; the NaN check of what was read names the key."""
+    model, optimizer = _sharded_tiny(seed=0)
+    _train_step(model, optimizer)
+    path = _save(model, optimizer, tmp_path / "step-000001", 1)
+    (path / DIGESTS_FILENAME).unlink()
+    _overwrite_4k(path)
+    fresh, fresh_opt = _sharded_tiny(seed=1)
+    with pytest.warns(UserWarning, match="no digests.json"):
+        with pytest.raises(DamagedCheckpointError, match=r"'[\w.]+' holds NaN/Inf after loading"):
+            load_dcp_checkpoint(path, model=fresh, optimizers={"optimizer": fresh_opt})
+
+
+def test_a_non_finite_state_is_never_saved_unless_asked_and_then_never_resumed(tmp_path, single_rank_group):
+    from lp_lightning.distributed.checkpoint import newest_intact_checkpoint
+
+    model, optimizer = _sharded_tiny(seed=0)
+    _train_step(model, optimizer)
+    good = _save(model, optimizer, tmp_path / "step-000001", 1)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.to_local().view(-1)[5] = float("inf")
+    with pytest.raises(NonFiniteStateError, match="'model.embed_tokens.weight' holds NaN/Inf") as info:
+        _save(model, optimizer, tmp_path / "step-000002", 2)
+    assert info.value.fqn == "model.embed_tokens.weight"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]  # nothing written, not even a partial
+    # A NaN moment is found too (the optimizer view is checked as well as the masters).
+    with torch.no_grad():
+        model.model.embed_tokens.weight.to_local().view(-1)[5] = 0.0
+        moment = optimizer.state[model.lm_head.weight]["exp_avg_sq"]
+        moment.to_local().view(-1)[0] = float("nan")
+    with pytest.raises(NonFiniteStateError, match="'optimizer.state.lm_head.weight.exp_avg_sq' holds NaN/Inf"):
+        _save(model, optimizer, tmp_path / "step-000002", 2)
+    # Written on request (post-mortem), marked: refused on load, skipped by the newest-intact search.
+    marked = save_dcp_checkpoint(
+        tmp_path / "step-000002", model_state=model_state_dict(model),
+        optimizer_states={"optimizer": optimizer_state_dict(model, optimizer)}, metadata={"global_step": 2},
+        rank=0, allow_nonfinite=True,
+    )
+    with pytest.raises(DamagedCheckpointError, match="saved from a non-finite state"):
+        load_dcp_checkpoint(marked, model=model, optimizers={"optimizer": optimizer})
+    skipped = []
+    assert newest_intact_checkpoint([marked, good], content=True, on_skip=lambda p, e: skipped.append(p)) == good
+    assert skipped == [marked]
 
 
 def test_checkpoint_of_another_model_names_the_fqn_and_shapes(tmp_path, single_rank_group):

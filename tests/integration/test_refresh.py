@@ -62,6 +62,17 @@ def _model(fmt: str = "hif8") -> nn.Sequential:
     return model
 
 
+@pytest.mark.parametrize("fmt", ["hif8", "mxfp8_e4m3"])
+def test_the_report_carries_each_masters_amax_non_finite_included(fmt):
+    model = _model(fmt)
+    with torch.no_grad():
+        model[2].weight.master[7, 3] = float("-inf")
+    report = refresh_low_precision_weights(model.parameters())
+    assert report.refreshed == ("0.weight", "2.weight") and len(report.master_amax) == 2
+    assert float(report.master_amax[0]) == float(model[0].weight.master.abs().amax())
+    assert report.master_amax[1].dtype == torch.float32 and float(report.master_amax[1]) == float("inf")
+
+
 def test_refresh_rebuilds_each_weight_exactly_once_and_skips_plain_parameters():
     model = _model()
     before = total_refresh_count()
@@ -155,6 +166,11 @@ def _worker(rank: int, port: int) -> None:
         assert shard_group(model[0].weight).size() == WORLD
         report = refresh_low_precision_weights(model.parameters())
         assert report.amax_all_reduces == 1  # three weights, one group: one batched all_reduce
+        # Each weight's master amax as this rank holds it, before the MAX (rank 1's empty shard: 0).
+        local_max = [p.to_local().master.abs().amax() if p.to_local().master.numel() else torch.tensor(0.0)
+                     for n, p in model.named_parameters() if n.endswith("weight")]
+        assert [float(a) for a in report.master_amax] == [float(m) for m in local_max], rank
+        assert float(report.master_amax[1]) == (0.5 if rank == 0 else 60.0)
         for name, param in model.named_parameters():
             if not name.endswith("weight"):
                 continue

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from lp_lightning.distributed.finite import NonFiniteStateError
 from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, LowPrecisionFabricPlugin, LowPrecisionPlugin
 
@@ -118,6 +119,66 @@ def test_fabric_step_refreshes_each_weight_once_and_skips_non_finite(mode, eager
     assert plugin.optimizer_steps_applied == 1 and plugin.refreshes["step"] == 1
 
 
+@pytest.mark.parametrize("mode", ["mxfp8", "hif8"])
+def test_a_non_finite_low_precision_master_stops_the_run_after_the_step(mode, eager_codecs):
+    """The refresh's amax of each weight shows a NaN/Inf master; the stop names the weight's FQN."""
+    module, optimizer = _lp_params(mode)
+    plugin = LowPrecisionFabricPlugin(mode)
+    plugin.guard.name_parameters(module)
+    with torch.no_grad():
+        module.weight.master[3, 5] = float("inf")  # e.g. a fault between two steps; the gradients stay finite
+    module.weight.grad = torch.ones(64, 64)
+    module.bias.grad = torch.ones(64)
+    with pytest.raises(NonFiniteStateError, match=r"non-finite master weight \('weight'\)") as info:
+        plugin.optimizer_step(optimizer)
+    assert info.value.fqn == "weight" and info.value.step == 1 and plugin.optimizer_steps_applied == 1
+
+
+def test_consecutive_skips_stop_the_run_at_the_limit_and_an_applied_step_resets_them():
+    module = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    plugin = LowPrecisionFabricPlugin("bf16", max_consecutive_skips=2)
+    plugin.guard.name_parameters(module)
+
+    def step(bad: float) -> None:
+        module.weight.grad = torch.tensor([[1.0, bad], [0.0, 0.0]])
+        module.bias.grad = torch.zeros(2)
+        plugin.optimizer_step(optimizer)
+
+    step(float("nan"))
+    step(1.0)  # applied: the streak starts again
+    step(float("inf"))
+    assert plugin.guard.consecutive_skips == 1 and plugin.optimizer_steps_skipped == 2
+    with pytest.raises(NonFiniteStateError, match=r"stopped at step 4: 2 optimizer steps skipped in a row "
+                       r"\(non-finite gradient \('weight'\)\), nonfinite.max_consecutive_skips=2") as info:
+        step(float("nan"))
+    assert (info.value.reason, info.value.fqn, info.value.consecutive_skips) == ("non-finite gradient", "weight", 2)
+    assert [e["step"] for e in plugin.guard.events] == [1, 3, 4]
+    # Finite gradients whose norm overflows FP32: said so, no FQN; 0 = no limit.
+    plugin = LowPrecisionFabricPlugin("bf16", max_consecutive_skips=0)
+    for _ in range(5):
+        step(1e30)
+    assert plugin.guard.consecutive_skips == 5 and plugin.guard.events[-1] == {
+        "step": 5, "reason": "gradient norm overflow", "fqn": None}
+    with pytest.raises(ValueError, match="nonfinite.max_consecutive_skips must be an int >= 0"):
+        LowPrecisionFabricPlugin("bf16", max_consecutive_skips=-1)
+
+
+def test_a_skip_caused_by_a_non_finite_master_stops_at_once():
+    module = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+    plugin = LowPrecisionFabricPlugin("bf16")  # limit 3, but a NaN master cannot recover
+    plugin.guard.name_parameters(module)
+    with torch.no_grad():
+        module.bias[0] = float("nan")
+    module.weight.grad = torch.full((2, 2), float("nan"))
+    module.bias.grad = torch.zeros(2)
+    with pytest.raises(NonFiniteStateError, match=r"step 1: non-finite master weight \('bias'\) \(1 step\(s\) "
+                       r"skipped in a row\)"):
+        plugin.optimizer_step(optimizer)
+    assert plugin.optimizer_steps_skipped == 1 and plugin.optimizer_steps_applied == 0
+
+
 def test_fabric_plugin_counts_every_returned_step():
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.5)
@@ -130,14 +191,21 @@ def test_fabric_plugin_counts_every_returned_step():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_gradient_skips_the_step_unless_disabled(bad):
-    for skip in (True, False):
-        param = nn.Parameter(torch.ones(2))
-        optimizer = torch.optim.SGD([param], lr=0.5)
-        plugin = LowPrecisionFabricPlugin("bf16", skip_nonfinite_steps=skip)
-        param.grad = torch.tensor([1.0, bad])
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    plugin = LowPrecisionFabricPlugin("bf16")
+    param.grad = torch.tensor([1.0, bad])
+    plugin.optimizer_step(optimizer)
+    assert plugin.optimizer_steps_skipped == 1 and plugin.optimizer_steps_applied == 0
+    assert torch.equal(param.detach(), torch.ones(2))
+    assert plugin.guard.events == [{"step": 1, "reason": "non-finite gradient", "fqn": "parameter 0 (2,)"}]
+    # Not skipping applies the update; the master is then NaN/Inf and the guard stops the run at once.
+    plugin = LowPrecisionFabricPlugin("bf16", skip_nonfinite_steps=False)
+    with pytest.raises(NonFiniteStateError, match=r"step 1: non-finite master weight \('parameter 0 \(2,\)'\) "
+                       r"\(after an applied optimizer step\)") as info:
         plugin.optimizer_step(optimizer)
-        assert plugin.optimizer_steps_skipped == int(skip) and plugin.optimizer_steps_applied == int(not skip)
-        assert torch.equal(param.detach(), torch.ones(2)) is skip
+    assert plugin.optimizer_steps_applied == 1 and not torch.isfinite(param.detach()).all()
+    assert plugin.guard.stop is info.value and info.value.reason == "non-finite master weight"
 
 
 def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
@@ -171,11 +239,13 @@ def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
 
 def test_state_dict_round_trip_and_cross_precision_resume():
     plugin = LowPrecisionPlugin("bf16")
-    plugin.optimizer_steps_applied, plugin.optimizer_steps_skipped = 7, 2
+    plugin.optimizer_steps_applied, plugin.optimizer_steps_skipped, plugin.guard.consecutive_skips = 7, 2, 1
     restored = LowPrecisionPlugin("bf16")
     restored.load_state_dict(plugin.state_dict())
-    assert (restored.optimizer_steps_applied, restored.optimizer_steps_skipped) == (7, 2)
-    assert plugin.state_dict() == {"mode": "bf16", "optimizer_steps_applied": 7, "optimizer_steps_skipped": 2}
+    assert (restored.optimizer_steps_applied, restored.optimizer_steps_skipped, restored.guard.consecutive_skips) == (
+        7, 2, 1)
+    assert plugin.state_dict() == {"mode": "bf16", "optimizer_steps_applied": 7, "optimizer_steps_skipped": 2,
+                                   "consecutive_skips": 1}
     hif8 = LowPrecisionPlugin("hif8")
     with pytest.warns(UserWarning, match="trained with precision='mxfp8' in precision='hif8'.*rebuilt from them in hif8"):
         hif8.load_state_dict({"mode": "mxfp8", "optimizer_steps_applied": 3})  # checkpoints hold no 8-bit data
