@@ -87,6 +87,15 @@ def _in_backward(fn):
     return out["value"]
 
 
+def _pre_on_every_rank(shards: list[QuantizedWeightTensor], full: torch.Tensor, phase: str) -> list:
+    """Each rank's ``fsdp_pre_all_gather`` result, called in ``phase`` (backward: inside a graph task)."""
+    pres = []
+    for rank, shard in enumerate(shards):
+        call = functools.partial(shard.fsdp_pre_all_gather, _FakeMesh(len(shards), rank), full.shape, full.stride(), None, None)
+        pres.append(_in_backward(call) if phase == "backward" else call())
+    return pres
+
+
 def _simulate(full: torch.Tensor, fmt: str, kind: str, world_size: int, *, policy=SINGLE, phase="forward"):
     """Shard, refresh (HiF8 dense: MAX over ranks), pre on every rank, cat-gather, post on rank 0."""
     weight = QuantizedWeightTensor.from_master(full.clone(), recipe=fmt, kind=kind, fqn="w", gather_policy=policy)
@@ -98,10 +107,7 @@ def _simulate(full: torch.Tensor, fmt: str, kind: str, world_size: int, *, polic
     else:
         for s in shards:
             s.refresh_from_master()
-    pres = []
-    for rank, shard in enumerate(shards):
-        call = functools.partial(shard.fsdp_pre_all_gather, _FakeMesh(world_size, rank), full.shape, full.stride(), None, None)
-        pres.append(_in_backward(call) if phase == "backward" else call())
+    pres = _pre_on_every_rank(shards, full, phase)
     slots0, metadata = pres[0]
     gathered = tuple(torch.cat([pre[0][i].reshape(-1) for pre in pres]).view(-1, *slots0[i].shape[1:]) for i in range(len(slots0)))
     out, inner = shards[0].fsdp_post_all_gather(gathered, metadata, torch.float32)
@@ -186,10 +192,7 @@ def _simulate_dim1(full: torch.Tensor, world_size: int, *, policy=SINGLE, phase=
     shards = _fsdp_dim1_shards(weight, world_size)
     for shard in shards:
         shard.refresh_from_master()
-    pres = []
-    for rank, shard in enumerate(shards):
-        call = functools.partial(shard.fsdp_pre_all_gather, _FakeMesh(world_size, rank), full.shape, full.stride(), None, None)
-        pres.append(_in_backward(call) if phase == "backward" else call())
+    pres = _pre_on_every_rank(shards, full, phase)
     slots0, metadata = pres[0]
     gathered = []
     for i, slot in enumerate(slots0):  # torch.cat(chunks, dim=1) of the W shard-shaped inputs, viewed as FSDP2 hands it
