@@ -656,7 +656,7 @@ def plan_settings(path: str) -> dict[str, Any]:
     Returns:
         ``spec``, ``precision``, ``world_size`` (``fsdp_config.dp_shard_size``, else ``trainer.devices x
         num_nodes``), ``seq_len``, ``micro_batch_size`` (``global_batch_size // (accumulate_grad_batches x
-        world_size)``), ``activation_checkpoint``, ``reshard_after_forward``, ``fallback_to_unsharded``,
+        world_size)``), ``activation_checkpoint``, ``reshard_after_forward``, ``fallback_to_unsharded``, ``input_dim_sharding``,
         ``config_overrides``; a value the YAML leaves open (``devices: auto``) is left out.
     """
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
@@ -673,6 +673,7 @@ def plan_settings(path: str) -> dict[str, Any]:
         "activation_checkpoint": config.model.activation_checkpoint,
         "reshard_after_forward": fsdp.reshard_after_forward,
         "fallback_to_unsharded": fsdp.fallback_to_unsharded,
+        "input_dim_sharding": fsdp.input_dim_sharding,
         "config_overrides": config.model.config_overrides,
     }
     if world_size is not None:

@@ -234,6 +234,7 @@ def build_layout(
     activation_checkpoint: str,
     fallback_to_unsharded: bool,
     config_overrides: Mapping[str, Any] | None,
+    input_dim_sharding: bool = True,
 ) -> tuple[ModelLayout, nn.Module]:
     """Build the meta model of a run, apply its plan and place every parameter (module docstring).
 
@@ -257,11 +258,15 @@ def build_layout(
         plugin = LowPrecisionPlugin(precision)
         plugin.compile_plan(meta).apply(meta)
         fmt = as_spec(plugin.policy.format.value)
-        placements = planned_placements(meta, world_size, fmt)
-        with_fallback = planned_sharding(meta, world_size, fmt, fallback_to_unsharded=True)
+        placements = planned_placements(meta, world_size, fmt, input_dim_sharding=input_dim_sharding)
+        with_fallback = planned_sharding(
+            meta, world_size, fmt, fallback_to_unsharded=True, input_dim_sharding=input_dim_sharding
+        )
         replicated_if_fallback = frozenset(w.fqn for w in with_fallback.replicated)
         try:
-            sharding = planned_sharding(meta, world_size, fmt, fallback_to_unsharded=fallback_to_unsharded)
+            sharding = planned_sharding(
+                meta, world_size, fmt, fallback_to_unsharded=fallback_to_unsharded, input_dim_sharding=input_dim_sharding
+            )
         except ValueError as err:
             startup_error, sharding = str(err), with_fallback
     policy = default_mixed_precision_policy()

@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "activation_checkpoint": "off",
     "reshard_after_forward": True,
     "fallback_to_unsharded": False,
+    "input_dim_sharding": True,
     "config_overrides": None,
 }
 """Settings without ``--config``: the design spec's 16B node (module docstring)."""
@@ -85,6 +86,8 @@ def build_parser() -> ArgumentParser:
                         help="FSDP2 reshard_after_forward (default true; --no_reshard_after_forward).")
     parser.add_argument("--fallback_to_unsharded", "--fallback-to-unsharded", action=ActionYesNo, default=None,
                         help="Replicate the weights no dim can shard instead of failing at startup (default false).")
+    parser.add_argument("--input_dim_sharding", "--input-dim-sharding", action=ActionYesNo, default=None,
+                        help="Shard dim-0 rule breakers along their input dim (default true; --no_input_dim_sharding).")
     option("budget_gib", type=Optional[float], default=None, help="Device memory budget in GiB (default 96).")
     option("config_overrides", type=Optional[dict], default=None,
            help='JSON object of DeepseekV3Config fields applied on top of the spec, e.g. \'{"num_hidden_layers": 4}\'.')
@@ -146,7 +149,8 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{PROG}: {run['spec']}, {run['precision']}{fmt}, {run['world_size']} rank(s), seq_len {run['seq_len']} x "
         f"micro batch {run['micro_batch_size']}, activation_checkpoint {run['activation_checkpoint']}, "
         f"reshard_after_forward {str(run['reshard_after_forward']).lower()}, "
-        f"fallback_to_unsharded {str(run['fallback_to_unsharded']).lower()} (meta model: nothing allocated)",
+        f"fallback_to_unsharded {str(run['fallback_to_unsharded']).lower()}"
+        f"{'' if run.get('input_dim_sharding', True) else ', input_dim_sharding false'} (meta model: nothing allocated)",
         "",
         f"{'per-rank memory (rank 0)':<63}{'GiB':>9}",
     ]

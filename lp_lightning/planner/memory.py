@@ -142,6 +142,7 @@ def plan_memory(
     fallback_to_unsharded: bool = False,
     config_overrides: dict | None = None,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    input_dim_sharding: bool = True,
 ) -> MemoryPlan:
     """Predict the per-rank memory of ``lp-lightning fit`` for a spec, precision and world size, on meta.
 
@@ -157,6 +158,7 @@ def plan_memory(
         activation_checkpoint: ``"off"`` or ``"full"``.
         reshard_after_forward: ``fsdp_config.reshard_after_forward``.
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``.
+        input_dim_sharding: ``fsdp_config.input_dim_sharding`` (``False``: dim 0 only, as ``fit``).
         config_overrides: DeepseekV3Config fields applied on top of the spec (no spec validation).
         budget_bytes: The device memory budget (default 96 GiB).
 
@@ -168,7 +170,9 @@ def plan_memory(
             non-positive budget, or config overrides the model config rejects.
     """
     check_run_options(spec, precision, world_size, seq_len, micro_batch_size, activation_checkpoint)
-    for name, value in (("reshard_after_forward", reshard_after_forward), ("fallback_to_unsharded", fallback_to_unsharded)):
+    flags = (("reshard_after_forward", reshard_after_forward), ("fallback_to_unsharded", fallback_to_unsharded),
+             ("input_dim_sharding", input_dim_sharding))
+    for name, value in flags:
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be a bool, got {value!r}.")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -176,7 +180,7 @@ def plan_memory(
     layout, _ = build_layout(
         spec, precision, world_size, reshard_after_forward=reshard_after_forward,
         activation_checkpoint=activation_checkpoint, fallback_to_unsharded=fallback_to_unsharded,
-        config_overrides=config_overrides,
+        config_overrides=config_overrides, input_dim_sharding=input_dim_sharding,
     )
     acts = deepseek_v3_activations(
         layout.config, micro_batch_size=micro_batch_size, seq_len=seq_len,
@@ -198,7 +202,8 @@ def plan_memory(
         "spec": spec, "precision": precision, "format": None if layout.format is None else layout.format.name,
         "world_size": world_size, "seq_len": seq_len, "micro_batch_size": micro_batch_size,
         "activation_checkpoint": activation_checkpoint, "reshard_after_forward": reshard_after_forward,
-        "fallback_to_unsharded": fallback_to_unsharded, "config_overrides": dict(config_overrides or {}),
+        "fallback_to_unsharded": fallback_to_unsharded, "input_dim_sharding": input_dim_sharding,
+        "config_overrides": dict(config_overrides or {}),
     }
     total = phases[peak]
     return MemoryPlan(

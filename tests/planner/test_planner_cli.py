@@ -78,8 +78,21 @@ def test_config_supplies_the_run(capsys):
     assert settings == {
         "spec": "dsv3-16b", "precision": "hif8", "world_size": 8, "seq_len": 4096, "micro_batch_size": 1,
         "activation_checkpoint": "off", "reshard_after_forward": True, "fallback_to_unsharded": False,
-        "config_overrides": None,
+        "input_dim_sharding": True, "config_overrides": None,
     }
     _, plan = _json(capsys, ["plan", "--config", "configs/dsv3_16b_hif8.yaml", "--world-size", "16", "--json"])
     assert plan["run"] | {"world_size": 8} == {**settings, "format": "hif8", "config_overrides": {}}
     assert plan["run"]["world_size"] == 16  # an explicit option wins over the YAML
+
+
+def test_config_with_input_dim_sharding_off_cannot_start(capsys, tmp_path):
+    """fsdp_config.input_dim_sharding: false makes the 84 dim-0 rule breakers unshardable, as `fit` would say."""
+    yaml = tmp_path / "no_input_dim.yaml"
+    yaml.write_text(open("configs/dsv3_16b_mxfp8.yaml").read().replace(
+        "  fallback_to_unsharded: false\n", "  fallback_to_unsharded: false\n  input_dim_sharding: false\n"))
+    assert plan_settings(str(yaml))["input_dim_sharding"] is False
+    code, plan = _json(capsys, ["plan", "--config", str(yaml), "--json"])
+    assert code == 1 and plan["launchable"] is False and "84 low-precision weight(s)" in plan["startup_error"]
+    assert sum(p["replicated_by_fallback"] for p in plan["placements"]) == 84
+    code, plan = _json(capsys, ["plan", "--config", str(yaml), "--input-dim-sharding", "--json"])
+    assert code == 0 and plan["launchable"] is True  # the option wins over the YAML
