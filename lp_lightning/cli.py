@@ -489,7 +489,8 @@ def _check_checkpoint(ckpt_path: str) -> None:
     try:
         verify_dcp_checkpoint(path, weights_only=False, content=False)
     except DamagedCheckpointError as err:
-        good = _latest_checkpoint(path.parent, exclude=path, quiet=True)
+        others = [c for c in checkpoint_folders(path.parent) if c.resolve() != path.resolve()]
+        good = newest_intact_checkpoint(others, content=False)  # what `last` would take, newer ones included
         fix = (f"the last good checkpoint is {str(good)!r}: resume from it (or pass `last`)" if good is not None
                else "no intact checkpoint is left next to it; start without --ckpt_path")
         raise ValueError(str(err.with_fix(fix))) from err

@@ -398,6 +398,10 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     _check_launch(fresh)  # nothing to resume yet: start from step 0, as Lightning's "last"
     assert fresh["ckpt_path"] is None
     assert "ckpt_path=last: no complete checkpoint" in capsys.readouterr().err
+    newer = _fake_checkpoint(checkpoints / "step-000070")  # intact and written after the damaged one
+    with pytest.raises(SystemExit):
+        main(["fit", *root, "--ckpt_path", str(truncated)])
+    assert f"the last good checkpoint is {str(newer)!r}" in capsys.readouterr().err  # the one `last` would load
     assert no_model_build == []
 
 
