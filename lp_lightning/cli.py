@@ -577,6 +577,8 @@ def _check_data_launch(data: Namespace) -> None:
     from lp_lightning.data.tokenizer import load_tokenizer
 
     sources = data.get("sources")
+    if isinstance(sources, str):
+        sources = [sources]  # one path or glob, as the data module takes it
     try:
         resolve_corpus(list(sources) if sources else None, max_bytes=data.get("max_corpus_bytes"))
     except (ValueError, TypeError) as err:

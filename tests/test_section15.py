@@ -404,6 +404,8 @@ def test_missing_data_source_or_tokenizer_fails_at_launch(capsys, nothing_instan
     missing = str(tmp_path / "nope.txt")
     text = _fails_at_parse(capsys, nothing_instantiated, "--data.sources", f"[{missing}]", *NO_NPU)
     assert text.startswith(f"data.sources: corpus source {missing!r} does not exist")
+    text = _fails_at_parse(capsys, nothing_instantiated, "--data.sources", missing, *NO_NPU)  # one path, no list
+    assert text.startswith(f"data.sources: corpus source {missing!r} does not exist")
     text = _fails_at_parse(capsys, nothing_instantiated, "--data.tokenizer", str(tmp_path / "tok"), *NO_NPU)
     assert text.startswith(f"data.tokenizer={str(tmp_path / 'tok')!r}: load_tokenizer:") and "nothing is downloaded" in text
 

@@ -112,7 +112,7 @@ class PretrainDataModule(pl.LightningDataModule):
     """Offline text corpus -> token cache -> deterministic per-step batches.
 
     Args:
-        sources: Files, folders or glob patterns of text; ``null``/empty = the embedded default
+        sources: Files, folders or glob patterns of text (a list, or one string); ``null``/empty = the embedded default
             corpus (the running Python's standard-library sources, real text on every machine).
         tokenizer: ``"byte"`` (UTF-8 bytes + EOS, vocab 257) or a local HF tokenizer folder.
         cache_dir: Folder of the token cache; ``null`` = ``lp_lightning.data.default_cache_dir()``.
@@ -130,7 +130,7 @@ class PretrainDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        sources: list[str] | None = None,
+        sources: list[str] | str | None = None,
         tokenizer: str = "byte",
         cache_dir: str | None = None,
         max_corpus_bytes: int | None = None,
@@ -148,7 +148,7 @@ class PretrainDataModule(pl.LightningDataModule):
         if val_batches is not None and val_batches < 1:
             raise ValueError(f"data.val_batches must be >= 1 or null, got {val_batches}.")
         self.save_hyperparameters()
-        self.sources = list(sources) if sources else None
+        self.sources = ([sources] if isinstance(sources, str) else list(sources)) if sources else None
         self.tokenizer = tokenizer
         self.cache_dir = cache_dir
         self.max_corpus_bytes = max_corpus_bytes
