@@ -99,7 +99,7 @@ from lp_lightning.distributed.checkpoint import (
     checkpoint_folders,
     is_dcp_checkpoint,
     newest_intact_checkpoint,
-    older_checkpoints,
+    sibling_checkpoints,
     verify_dcp_checkpoint,
 )
 from lp_lightning.lightning.accelerator import npu_accelerator_error
@@ -460,37 +460,34 @@ def _checkpoint_step(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _latest_checkpoint(folder: Path, *, exclude: Path | None = None, quiet: bool = False) -> Path | None:
+def _latest_checkpoint(folder: Path) -> Path | None:
     """The most recently written ``step-NNNNNN`` folder under ``folder`` that passes the quick check.
 
     Hidden ``.partial`` folders (saves cut short) never match; a folder that fails
     :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` with ``content=False``
     (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite, unreadable) is skipped with a
-    note on stderr naming it and why (unless ``quiet``). The strategy's load checks the rest
-    (every file's digest, NaN/Inf) and falls back further when needed.
+    note on stderr naming it and why. The strategy's load checks the rest (every file's digest,
+    NaN/Inf) and falls back further when needed.
     """
-    candidates = checkpoint_folders(folder) if exclude is None else older_checkpoints(exclude)
-
     def note(path: Path, err: DamagedCheckpointError) -> None:
-        if not quiet and _is_rank_zero():  # once, not per rank
+        if _is_rank_zero():  # once, not per rank
             print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({err.problem}); trying the previous one.",
                   file=sys.stderr)
 
-    return newest_intact_checkpoint(candidates, content=False, on_skip=note)
+    return newest_intact_checkpoint(checkpoint_folders(folder), content=False, on_skip=note)
 
 
 def _check_checkpoint(ckpt_path: str) -> None:
     """The quick check of an explicit ``ckpt_path`` folder, naming the last good checkpoint when it fails.
 
     Raises:
-        ValueError: The folder is damaged (the message names the file and the newest intact older folder).
+        ValueError: The folder is damaged (the message names the file and the newest intact sibling folder).
     """
     path = Path(ckpt_path)
     try:
         verify_dcp_checkpoint(path, weights_only=False, content=False)
     except DamagedCheckpointError as err:
-        others = [c for c in checkpoint_folders(path.parent) if c.resolve() != path.resolve()]
-        good = newest_intact_checkpoint(others, content=False)  # what `last` would take, newer ones included
+        good = newest_intact_checkpoint(sibling_checkpoints(path), content=False)  # what `last` would take
         fix = (f"the last good checkpoint is {str(good)!r}: resume from it (or pass `last`)" if good is not None
                else "no intact checkpoint is left next to it; start without --ckpt_path")
         raise ValueError(str(err.with_fix(fix))) from err

@@ -97,6 +97,7 @@ __all__ = [
     "model_state_dict",
     "newest_intact_checkpoint",
     "older_checkpoints",
+    "sibling_checkpoints",
     "optimizer_state_dict",
     "save_dcp_checkpoint",
     "verify_dcp_checkpoint",
@@ -524,6 +525,12 @@ def newest_intact_checkpoint(
         if on_skip is not None:
             on_skip(candidate, problem)
     return None
+
+
+def sibling_checkpoints(path: str | Path) -> list[Path]:
+    """The ``step-*`` siblings of ``path``, ``path`` itself left out, most recently written first."""
+    path = Path(path)
+    return [p for p in checkpoint_folders(path.parent) if p.resolve() != path.resolve()]
 
 
 def older_checkpoints(path: str | Path) -> list[Path]:

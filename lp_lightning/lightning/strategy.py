@@ -71,13 +71,13 @@ from typing_extensions import override
 from lp_lightning.config import ActivationCheckpointMode, FSDP2Config
 from lp_lightning.distributed.checkpoint import (
     DamagedCheckpointError,
-    checkpoint_folders,
     load_dcp_checkpoint,
     model_state_dict,
     newest_intact_checkpoint,
     older_checkpoints,
     optimizer_state_dict,
     save_dcp_checkpoint,
+    sibling_checkpoints,
 )
 from lp_lightning.distributed.fsdp import (
     ParallelizationRecord,
@@ -123,8 +123,7 @@ def _resolve_causal_lm(module: nn.Module) -> nn.Module:
 def _with_intact_fix(err: DamagedCheckpointError, path: Path) -> DamagedCheckpointError:
     """``err`` whose fix names the newest intact checkpoint next to ``path`` — the one ``last`` would load, a newer
     one included (collective search)."""
-    others = [c for c in checkpoint_folders(path.parent) if c.resolve() != path.resolve()]
-    good = newest_intact_checkpoint(others, content=True)
+    good = newest_intact_checkpoint(sibling_checkpoints(path), content=True)
     if good is None:
         return err.with_fix(f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path")
     return err.with_fix(f"the last good checkpoint is {str(good)!r}: resume from it (or pass --ckpt_path last)")
