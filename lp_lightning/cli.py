@@ -419,7 +419,16 @@ class LPLightningCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in callbacks
         ):
             kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks, default_progress_bar()]
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        # ``deterministic: true`` turns on torch's deterministic algorithms, which by default also
+        # fill every new tensor with NaN so that a read of uninitialised memory shows up; nothing
+        # here reads uninitialised memory (bitwise resume is tested), and the fill cost 5-20 % of a
+        # CPU step, more for the emulation's temporaries (docs/performance.md). Recorded in
+        # run_summary.json ``determinism``.
+        import torch.utils.deterministic
+
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        return trainer
 
 
 def _is_rank_zero() -> bool:

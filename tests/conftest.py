@@ -42,3 +42,19 @@ def isolated_dist():
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def ieee_gemms():
+    """The emulated backend multiplies in IEEE FP32 (``bf16_units=False``) for this test.
+
+    For tests that compare whole autograd functions bit for bit with a reference composed of FP32
+    matmuls: the default BF16-unit GEMMs differ from it only in the order of FP32 additions, which
+    ``tests/ops/test_emulated_units.py`` bounds GEMM by GEMM.
+    """
+    from lp_lightning.ops.emulated import BACKEND
+
+    previous = BACKEND.bf16_units
+    BACKEND.bf16_units = False
+    yield
+    BACKEND.bf16_units = previous

@@ -43,7 +43,18 @@ def compiled_kernels_enabled() -> bool:
     return _enabled
 
 
-def fused(fn: F) -> F:
+def _call_form(arg: object) -> object:
+    """A tensor argument as the compiled kernel sees it: detached, so not a view of anything.
+
+    torch.compile guards on ``requires_grad`` and on the size and stride of the tensor a view was
+    taken from (``x._base``): ``x.view(-1, 32)`` of activations, weights and gradients of every
+    shape would each add a guard and soon exhaust the recompile limit. ``detach()`` shares the
+    storage and has neither (no copy).
+    """
+    return arg.detach() if isinstance(arg, torch.Tensor) else arg
+
+
+def fused(fn: F | None = None, *, static_dims: dict[int, tuple[int, ...]] | None = None) -> F:
     """Wrap an eager, element-wise torch kernel so that calls use a compiled twin when possible.
 
     The wrapper dispatches on the device type of the first tensor argument; inputs whose first
@@ -51,8 +62,25 @@ def fused(fn: F) -> F:
     built lazily (``torch.compile(fn, dynamic=True)``) the first time it is needed; if it raises
     while compiling, that device type is marked broken and the eager ``fn`` is used from then on.
     ``wrapper.eager`` is the untouched reference implementation.
+
+    One compiled graph serves every shape: sizes are symbolic, tensor arguments are passed
+    detached (``_call_form``), and grad mode and autocast are fixed. What remains in the guards is
+    the dtype of each tensor and any non-tensor argument, so a kernel compiles once per input
+    dtype (docs/architecture.md "Compiled kernels"; ``tests/formats/test_recompiles.py`` counts
+    recompiles). Two unrelated sizes that happen to be equal in the first call share a symbol
+    ("duck" sizing) and cost one more compile when they first differ; a storage offset of 0 vs
+    not 0 (a group of a grouped weight) is another such one-off.
+
+    Args:
+        fn: The eager kernel (used as ``@fused`` or ``@fused(static_dims=...)``).
+        static_dims: ``{positional argument index: dims}`` whose sizes are constants of the graph
+            (e.g. a block of 32 elements): a fixed inner trip count vectorises better, and a
+            different size recompiles (by design: these sizes never vary).
     """
+    if fn is None:
+        return functools.partial(fused, static_dims=static_dims)  # type: ignore[return-value]
     compiled: dict[str, Callable] = {}
+    static = dict(static_dims or {})
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -68,13 +96,19 @@ def fused(fn: F) -> F:
         if kernel is None:
             with _lock:
                 kernel = compiled.setdefault(device, torch.compile(fn, dynamic=True))
+        call_args = [_call_form(a) for a in args]
+        for index, dims in static.items():
+            for dim in dims:
+                torch._dynamo.mark_static(call_args[index], dim)
         try:
             # One context for every call: grad mode and autocast state are compile guards, and
             # the kernels (integer and element-wise work on detached values) depend on neither, so
-            # calls from forward, backward, recompute and no_grad code share one compiled graph
-            # instead of exhausting torch.compile's recompile limit.
+            # calls from forward, backward, recompute and no_grad code share one compiled graph.
+            # (Entering the two contexts costs more than the call itself: skip when already so.)
+            if not torch.is_grad_enabled() and not torch.is_autocast_enabled(device):
+                return kernel(*call_args, **kwargs)
             with torch.no_grad(), torch.autocast(device, enabled=False):
-                return kernel(*args, **kwargs)
+                return kernel(*call_args, **kwargs)
         except Exception as exc:  # compilation problems only: eager is bit-identical
             _broken_devices.add(device)
             warnings.warn(

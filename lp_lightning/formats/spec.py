@@ -121,6 +121,8 @@ class FormatSpec(abc.ABC):
         physical_orientation: Row and col operands are different bytes (block scales along one
             axis); ``False``: one data serves both and ``orientation`` is metadata.
         uses_format_max: Operands record the ``format_max`` their amax was scaled to.
+        values_carry_scale: :meth:`gemm_factors` returns no product scale (block formats: the
+            scales differ along the contraction and are applied while decoding).
     """
 
     name: str
@@ -130,6 +132,7 @@ class FormatSpec(abc.ABC):
     scale_dtype: torch.dtype
     physical_orientation: bool
     uses_format_max: bool
+    values_carry_scale: bool = False
 
     # -- operands -----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -153,18 +156,26 @@ class FormatSpec(abc.ABC):
         """The FP32 values the operand represents (exact where the format allows; see the package)."""
 
     @abc.abstractmethod
-    def gemm_factors(self, operand: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def gemm_factors(
+        self, operand: QuantizedOperand, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """How an exact GEMM emulation consumes the operand: ``(values, product_scale)``.
 
-        ``values`` are FP32 and multiplied exactly as they are; ``product_scale`` (0-d, or ``[E]``
-        for a 3-D operand) multiplies the FP32 product, or is ``None`` when ``values`` already
-        carry the scale (block formats, whose scales differ along the contraction).
+        ``values`` are multiplied exactly as they are; ``product_scale`` (0-d FP32, or ``[E]`` for a
+        3-D operand) multiplies the FP32 product, or is ``None`` when ``values`` already carry the
+        scale (block formats, whose scales differ along the contraction). ``values`` have ``dtype``:
+        FP32 always works; BF16 only where :meth:`exact_gemm_dtype` says the values are exact in it
+        (the emulated backend asks for nothing else).
         """
 
-    def gemm_factors_group(self, operand: QuantizedOperand, g: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`gemm_factors` of group ``g`` of a 3-D operand, without decoding the others."""
-        values, scale = self.gemm_factors(operand)  # default: decode all (formats override)
-        return values[g], None if scale is None else (scale if scale.dim() == 0 else scale[g])
+    def exact_gemm_dtype(self, operand: QuantizedOperand) -> torch.dtype:
+        """The narrowest dtype in which this operand's :meth:`gemm_factors` values are exact.
+
+        ``torch.bfloat16`` lets the emulated backend multiply at BF16 GEMM speed with FP32
+        accumulation (docs/design.md "Where it runs"); the default, ``torch.float32``, is always
+        exact for the 8-bit formats (at most 4 significant bits per value).
+        """
+        return torch.float32
 
     # -- recipe and weights ---------------------------------------------------------------------
     @property

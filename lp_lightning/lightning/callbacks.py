@@ -38,6 +38,9 @@ key                          meaning
                              ``loss_last`` (one batch)
 ``threads``                  ``torch_intra_op`` / ``torch_inter_op`` thread counts,
                              ``OMP_NUM_THREADS`` (``null`` when unset) and ``cpu_count`` of rank 0
+``determinism``              ``algorithms`` (``torch.use_deterministic_algorithms``) and
+                             ``fill_uninitialized_memory`` (``lp-lightning fit`` turns the NaN fill
+                             off: docs/performance.md)
 ``load_average``             ``start`` / ``end``: the machine's 1/5/15-minute load averages when
                              training started and ended (other jobs on the cores slow every step)
 ``peak_memory_bytes``        max over ranks: CPU -> the process's peak RSS
@@ -286,6 +289,13 @@ def _threads() -> dict[str, Any]:
     }
 
 
+def _determinism() -> dict[str, bool]:
+    return {
+        "algorithms": torch.are_deterministic_algorithms_enabled(),
+        "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),
+    }
+
+
 def _load_average() -> list[float] | None:
     try:
         return [round(value, 2) for value in os.getloadavg()]
@@ -523,6 +533,7 @@ class RunSummaryCallback(Callback):
             "step_time_s_steady_median": steady,
             "warmup_steps_excluded": warmup,
             "threads": _threads(),
+            "determinism": _determinism(),
             "load_average": {"start": self._load_start, "end": _load_average()},
             "peak_memory_bytes": max(self._peak[0], default=0),
             "peak_memory_bytes_per_rank": list(self._peak[0]),

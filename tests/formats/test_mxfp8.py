@@ -521,3 +521,34 @@ def test_fused_kernels_equal_eager_bit_for_bit(dtype):
     # And the public API with compiled kernels still matches the independent reference.
     _assert_matches_reference(x, "row")
     _assert_matches_reference(x, "col")
+
+
+@pytest.mark.compiled
+def test_fused_dequantize_equals_eager_bit_for_bit_on_every_byte_and_code():
+    # Every E4M3 byte (NaN, ±0, subnormals, ±448) under every E8M0 code (2^-127 … 2^127, NaN),
+    # tiled past MIN_FUSED_NUMEL so that the wrappers really take the compiled path.
+    bytes_ = torch.arange(256, dtype=torch.uint8).repeat(256)  # 256 blocks of 32 per code
+    codes = torch.arange(256, dtype=torch.uint8).repeat_interleave(8)  # [2048] = one per block
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for out_dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)):
+            row = (bytes_.view(-1, 32), codes)
+            col = (bytes_.view(-1, 32, 64), codes.view(-1, 64))
+            for kernel, (data, code) in ((mxfp8._dequantize_row_blocks, row), (mxfp8._dequantize_col_blocks, col)):
+                fused_out = kernel(data, code, out_dtype)
+                eager_out = kernel.eager(data, code, out_dtype)
+                assert fused_out.dtype == out_dtype and fused_out.shape == data.shape
+                assert torch.equal(fused_out.isnan(), eager_out.isnan())
+                finite = ~eager_out.isnan()
+                assert torch.equal(fused_out.view(bits)[finite], eager_out.view(bits)[finite])
+    # The public API with compiled kernels equals the float64 product e4m3 · 2^(code - 127), exactly
+    # (converting it to FP32 is exact, bar the documented overflow to ±Inf above FP32's maximum).
+    data = bytes_.view(-1, 64).view(torch.float8_e4m3fn)
+    scale = codes.view(-1, 2).view(torch.float8_e8m0fnu)
+    back = mxfp8.dequantize(data, scale, orientation="row")
+    expected = data.to(torch.float64) * torch.exp2(codes.view(-1, 2).double() - 127).repeat_interleave(32, -1)
+    expected[(codes.view(-1, 2) == 255).repeat_interleave(32, -1)] = math.nan
+    assert torch.equal(back.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(back[finite], expected[finite].float())
+    assert (back.isinf() == (expected.abs() >= 2.0**128)).all()

@@ -108,6 +108,7 @@ def _run(x, group_list, gate_up, down, dy, fmt):
     return y, x.grad
 
 
+@pytest.mark.usefixtures("ieee_gemms")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "counts", [[30, 0, 50, 16], [96], [0, 0, 96, 0], [1, 33, 0, 62]], ids=["uneven-empty", "one-expert", "one-hot", "ragged"]
@@ -271,6 +272,7 @@ def test_argument_errors_name_the_problem():
 # One grouped linear on its own (the grouped operator of the layered numerics, lp_lightning.st.numerics)
 
 
+@pytest.mark.usefixtures("ieee_gemms")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_grouped_linear_matches_format_layer_reference_and_traces_three_roles(fmt):
     counts = [30, 0, 50, 16]

@@ -84,6 +84,7 @@ def _run(x, weight, bias, dy, fmt):
     return y, x.grad
 
 
+@pytest.mark.usefixtures("ieee_gemms")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("x_shape", [(96, 64), (2, 40, 64)], ids=["2d", "3d"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])

@@ -88,9 +88,6 @@ class Fp8TensorSpec(FormatSpec):
     def gemm_factors(self, operand: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor]:
         return operand.data.to(torch.float32), operand.scale
 
-    def gemm_factors_group(self, operand: QuantizedOperand, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return operand.data[g].to(torch.float32), operand.scale  # 0-d: shared by every group
-
     @property
     def recipe(self) -> LowPrecisionRecipe:
         return FP8_RECIPE

@@ -270,12 +270,6 @@ _TILE_C = 1024
 _bound_rows: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
 
-def _mark_static(t: torch.Tensor, dim: int) -> None:
-    """Pin ``t.shape[dim]`` in the compiled kernel's graph (sizes are otherwise symbolic)."""
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static(t, dim)
-
-
 def _bound_row(saturate: bool, device: torch.device) -> torch.Tensor:
     """The clamp bound as a ``float32`` row of ``_TILE_C`` equal entries, cached per device.
 
@@ -287,7 +281,6 @@ def _bound_row(saturate: bool, device: torch.device) -> torch.Tensor:
     if row is None:
         value = HIF8_MAX if saturate else _INF_SLOT_VALUE
         row = torch.full((_TILE_C,), value, dtype=torch.float32, device=device)
-        _mark_static(row, 0)
         with _cache_lock:
             row = _bound_rows.setdefault(key, row)
     return row
@@ -297,7 +290,7 @@ def _bound_row(saturate: bool, device: torch.device) -> torch.Tensor:
 # Kernels (element-wise, vectorised; ``fused`` uses a torch.compile twin where it works).
 
 
-@fused
+@fused(static_dims={0: (1,), 1: (0,)})
 def _encode_kernel(x_RC: torch.Tensor, bound_C: torch.Tensor) -> torch.Tensor:
     """FP32 ``x_RC`` → ``uint8`` HiF8 codes with TA rounding (docs/formats.md §1.5). See ``encode``.
 
@@ -452,7 +445,6 @@ def encode(x: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
     code_parts = []
     if rows:
         x_RC = x_N[: rows * _TILE_C].view(rows, _TILE_C)
-        _mark_static(x_RC, 1)
         code_parts.append(_encode_kernel(x_RC, bound_C).reshape(-1))
     tail = n - rows * _TILE_C
     if tail:  # fewer than _TILE_C elements: below MIN_FUSED_NUMEL, so ``fused`` runs them eagerly

@@ -55,11 +55,14 @@ class HiF8Spec(FormatSpec):
         scale = operand.scale.reshape(-1, 1, 1) if operand.data.dim() == 3 else operand.scale
         return codec.decode(operand.data, torch.float32) * scale
 
-    def gemm_factors(self, operand: QuantizedOperand) -> tuple[torch.Tensor, torch.Tensor]:
-        return codec.decode(operand.data, torch.float32), operand.scale
+    def gemm_factors(
+        self, operand: QuantizedOperand, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return codec.decode(operand.data, dtype), operand.scale
 
-    def gemm_factors_group(self, operand: QuantizedOperand, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return codec.decode(operand.data[g], torch.float32), operand.scale[g]
+    def exact_gemm_dtype(self, operand: QuantizedOperand) -> torch.dtype:
+        """Always BF16: every HiF8 value has at most 4 significant bits in [2^-22, 2^15] (``codec.decode``)."""
+        return torch.bfloat16
 
     @property
     def recipe(self) -> LowPrecisionRecipe:

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from lp_lightning.formats._compile import fused
-from lp_lightning.formats.mxfp8.e8m0 import E4M3_MAX, e8m0_to_float32, rceil_codes
+from lp_lightning.formats.mxfp8.e8m0 import E4M3_MAX, e8m0_code_values, rceil_codes
 
 __all__ = [
     "BLOCK_SIZE",
@@ -191,7 +191,7 @@ def _encode_e4m3(q: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
     return _e4m3_bytes_float_only(q)
 
 
-@fused
+@fused(static_dims={0: (1,)})
 def _quantize_row_blocks(x_NbB: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize contiguous 32-element blocks, one block per row of ``x_NbB``.
 
@@ -208,7 +208,7 @@ def _quantize_row_blocks(x_NbB: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return data_NbB, code_Nb.to(torch.uint8), rcp_Nb
 
 
-@fused
+@fused(static_dims={0: (1,)})
 def _quantize_col_blocks(x_GBN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize 32-row column blocks: block ``(g, n)`` is ``x_GBN[g, :, n]``.
 
@@ -222,6 +222,38 @@ def _quantize_col_blocks(x_GBN: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     code_GN, rcp_GN = rceil_codes(amax_GN)
     data_GBN = _encode_e4m3(x_GBN.to(torch.float32) * rcp_GN[:, None, :], x_GBN.dtype)
     return data_GBN, code_GN.to(torch.uint8), rcp_GN
+
+
+@fused(static_dims={0: (1,)})
+def _dequantize_row_blocks(data_NbB: torch.Tensor, code_Nb: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Decode contiguous 32-element row blocks: ``e4m3(data) * 2^(code - 127)`` in FP32, then ``out_dtype``.
+
+    Args:
+        data_NbB: ``[Nb, 32]`` ``uint8`` E4M3 bytes, contiguous.
+        code_Nb: ``[Nb]`` ``uint8`` E8M0 codes.
+        out_dtype: float32 (exact), bfloat16 or float16 (one rounding of the exact FP32 value).
+
+    Returns:
+        ``[Nb, 32]`` tensor of ``out_dtype``.
+    """
+    values_NbB = data_NbB.view(torch.float8_e4m3fn).to(torch.float32)
+    return (values_NbB * e8m0_code_values(code_Nb)[:, None]).to(out_dtype)
+
+
+@fused(static_dims={0: (1,)})
+def _dequantize_col_blocks(data_GBN: torch.Tensor, code_GN: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Decode 32-row column blocks: block ``(g, n)`` is ``data_GBN[g, :, n]`` with code ``code_GN[g, n]``.
+
+    Args:
+        data_GBN: ``[G, 32, N]`` ``uint8`` E4M3 bytes, contiguous.
+        code_GN: ``[G, N]`` ``uint8`` E8M0 codes.
+        out_dtype: as ``_dequantize_row_blocks``.
+
+    Returns:
+        ``[G, 32, N]`` tensor of ``out_dtype``.
+    """
+    values_GBN = data_GBN.view(torch.float8_e4m3fn).to(torch.float32)
+    return (values_GBN * e8m0_code_values(code_GN)[:, None, :]).to(out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,22 +463,27 @@ def dequantize(
     _check_output_dtype("mxfp8.dequantize", output_dtype)
     if data.numel() == 0:
         return torch.empty(data.shape, dtype=output_dtype, device=data.device)
-    values = data.to(torch.float32)
-    scale_f32 = e8m0_to_float32(scale)
+    bytes_ = data.view(torch.uint8)
+    codes = scale.view(torch.uint8)
     if orientation == "row":
         K = data.shape[-1]
         Kb = scale.shape[-1]
+        data_RK = bytes_.reshape(-1, K)
         if K % BLOCK_SIZE:
-            values = F.pad(values, (0, Kb * BLOCK_SIZE - K))
-        out = (values.reshape(*data.shape[:-1], Kb, BLOCK_SIZE) * scale_f32[..., None]).flatten(-2)[..., :K]
+            data_RK = F.pad(data_RK, (0, Kb * BLOCK_SIZE - K))  # byte 0x00 is +0.0
+        out_NbB = _dequantize_row_blocks(data_RK.contiguous().view(-1, BLOCK_SIZE), codes.reshape(-1), output_dtype)
+        out = out_NbB.view(-1, Kb * BLOCK_SIZE)[:, :K]
     else:
         M, N = data.shape[-2], data.shape[-1]
         Mb = scale.shape[-2]
+        data_BMN = bytes_.reshape(-1, M, N)
         if M % BLOCK_SIZE:
-            values = F.pad(values, (0, 0, 0, Mb * BLOCK_SIZE - M))
-        out = (values.reshape(*data.shape[:-2], Mb, BLOCK_SIZE, N) * scale_f32[..., None, :]).flatten(-3, -2)
-        out = out[..., :M, :]
-    return out.to(output_dtype).contiguous()
+            data_BMN = F.pad(data_BMN, (0, 0, 0, Mb * BLOCK_SIZE - M))
+        out_GBN = _dequantize_col_blocks(
+            data_BMN.contiguous().view(-1, BLOCK_SIZE, N), codes.reshape(-1, N), output_dtype
+        )
+        out = out_GBN.view(-1, Mb * BLOCK_SIZE, N)[:, :M]
+    return out.reshape(data.shape).contiguous()
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ __all__ = [
     "E8M0_BIAS",
     "E8M0_MAX_CODE",
     "E8M0_NAN_CODE",
+    "e8m0_code_values",
     "e8m0_to_float32",
     "rceil_codes",
 ]
@@ -118,7 +119,19 @@ def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
             f"e8m0_to_float32: scale must be a torch.float8_e8m0fnu (or uint8) tensor, got {got}. "
             "Pass the scale returned by lp_lightning.formats.mxfp8.quantize."
         )
-    code = scale.view(torch.uint8).to(torch.int32)
+    return e8m0_code_values(scale.view(torch.uint8))
+
+
+def e8m0_code_values(code: torch.Tensor) -> torch.Tensor:
+    """``e8m0_to_float32`` without the checks, for use inside the codec's (compiled) kernels.
+
+    Args:
+        code: integer tensor (``uint8`` or ``int32``) of E8M0 codes 0..255, any shape.
+
+    Returns:
+        ``float32`` tensor ``2^(code - 127)`` (NaN for 255), same shape.
+    """
+    code = code.to(torch.int32)
     bits = torch.where(code == 0, _F32_2_POW_M127_BITS, code << 23)
     bits = torch.where(code == E8M0_NAN_CODE, _F32_QUIET_NAN_BITS, bits)
     return bits.view(torch.float32)

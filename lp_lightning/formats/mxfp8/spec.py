@@ -23,11 +23,14 @@ if TYPE_CHECKING:
     from lp_lightning.formats.operand import QuantizedOperand
     from lp_lightning.formats.recipe import LowPrecisionRecipe
 
-__all__ = ["MX_ROW_MULTIPLE", "SPEC", "MXFP8Spec"]
+__all__ = ["MIN_BF16_EXACT_CODE", "MX_ROW_MULTIPLE", "SPEC", "MXFP8Spec"]
 
 MX_ROW_MULTIPLE = 2 * codec.BLOCK_SIZE
 """MXFP8 shard rule (design spec §9.1): local rows a multiple of 64 = two 32-row col blocks, so no
 col block crosses a shard boundary and the Ascend scale layout (pairs of blocks) stays aligned."""
+
+MIN_BF16_EXACT_CODE = 3
+"""Smallest E8M0 code whose decoded block values are all exact in BF16 (see ``exact_gemm_dtype``)."""
 
 
 class MXFP8Spec(FormatSpec):
@@ -40,6 +43,7 @@ class MXFP8Spec(FormatSpec):
     scale_dtype = torch.float8_e8m0fnu
     physical_orientation = True
     uses_format_max = False
+    values_carry_scale = True
 
     def scale_shape(
         self, data_shape: tuple[int, ...], orientation: Orientation, group_counts: list[int] | None = None
@@ -59,12 +63,27 @@ class MXFP8Spec(FormatSpec):
             return codec.dequantize_grouped(operand.data, operand.scale, operand.group_list, orientation="col")
         return codec.dequantize(operand.data, operand.scale, orientation=operand.orientation)
 
-    def gemm_factors(self, operand: QuantizedOperand) -> tuple[torch.Tensor, None]:
-        return self.dequantize(operand), None
+    def gemm_factors(self, operand: QuantizedOperand, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, None]:
+        if operand.orientation == "col" and operand.group_list is not None:
+            values = codec.dequantize_grouped(
+                operand.data, operand.scale, operand.group_list, orientation="col", output_dtype=dtype
+            )
+        else:
+            values = codec.dequantize(operand.data, operand.scale, orientation=operand.orientation, output_dtype=dtype)
+        return values, None
 
-    def gemm_factors_group(self, operand: QuantizedOperand, g: int) -> tuple[torch.Tensor, None]:
-        data, scale = operand.data[g], operand.scale[g]
-        return codec.dequantize(data, scale, orientation=operand.orientation), None
+    def exact_gemm_dtype(self, operand: QuantizedOperand) -> torch.dtype:
+        """BF16 unless a block scale is below 2^-124 (code < 3).
+
+        A value is ``e4m3 · 2^(code-127)``: 4 significant bits, BF16 holds 8, and BF16 has FP32's
+        exponent range, so it is exact in BF16 unless it falls below BF16's subnormal step 2^-133,
+        which needs ``code < 3`` (the smallest E4M3 step is 2^-9). Overflow (code 254) gives ±Inf
+        in both. Such tiny scales (block amax below 448·2^-125, or all-zero blocks) take FP32.
+        """
+        codes = operand.scale.view(torch.uint8)
+        if codes.numel() == 0 or int(codes.min()) >= MIN_BF16_EXACT_CODE:
+            return torch.bfloat16
+        return torch.float32
 
     @property
     def recipe(self) -> LowPrecisionRecipe:
