@@ -41,6 +41,10 @@ key                          meaning
 ``determinism``              ``algorithms`` (``torch.use_deterministic_algorithms``) and
                              ``fill_uninitialized_memory`` (``lp-lightning fit`` turns the NaN fill
                              off: docs/performance.md)
+``compile``                  rank 0's ``compiled_graphs`` (torch.compile graphs built during the
+                             run: the codec kernels, once per input dtype) and
+                             ``recompiles_after_first_step`` (graphs built after the first optimizer
+                             step; 0 expected: docs/performance.md)
 ``load_average``             ``start`` / ``end``: the machine's 1/5/15-minute load averages when
                              training started and ended (other jobs on the cores slow every step)
 ``peak_memory_bytes``        max over ranks: CPU -> the process's peak RSS
@@ -289,6 +293,15 @@ def _threads() -> dict[str, Any]:
     }
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's ``unique_graphs`` counter)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled (a BF16 run never imports dynamo)
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _determinism() -> dict[str, bool]:
     return {
         "algorithms": torch.are_deterministic_algorithms_enabled(),
@@ -366,6 +379,8 @@ class RunSummaryCallback(Callback):
         self._peak: tuple[list[int], str] = ([], "ru_maxrss")
         self._tensor_memory: dict[str, Any] = {}
         self._load_start: list[float] | None = None
+        self._graphs_at_start = _compiled_graphs()
+        self._graphs_after_first_step: int | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -436,6 +451,8 @@ class RunSummaryCallback(Callback):
         grad_norm = getattr(pl_module, "last_grad_norm", None)
         self._grad_norms.append(None if grad_norm is None else float(grad_norm))
         self._step_times.append(elapsed)
+        if len(self._step_times) == 1:
+            self._graphs_after_first_step = _compiled_graphs()
         if self._refresh is not None:
             self._refresh.close_step()
         if self._wire is not None:
@@ -534,6 +551,12 @@ class RunSummaryCallback(Callback):
             "warmup_steps_excluded": warmup,
             "threads": _threads(),
             "determinism": _determinism(),
+            "compile": {
+                "compiled_graphs": _compiled_graphs() - self._graphs_at_start,
+                "recompiles_after_first_step": (
+                    None if self._graphs_after_first_step is None else _compiled_graphs() - self._graphs_after_first_step
+                ),
+            },
             "load_average": {"start": self._load_start, "end": _load_average()},
             "peak_memory_bytes": max(self._peak[0], default=0),
             "peak_memory_bytes_per_rank": list(self._peak[0]),
