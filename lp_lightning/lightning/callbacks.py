@@ -37,7 +37,9 @@ key                          meaning
                              (``LOSS_MEAN_STEPS`` = 10 or fewer): compare runs on it, not on
                              ``loss_last`` (one batch)
 ``threads``                  ``torch_intra_op`` / ``torch_inter_op`` thread counts,
-                             ``OMP_NUM_THREADS`` (``null`` when unset) and ``cpu_count`` of rank 0
+                             ``OMP_NUM_THREADS`` (``null`` when unset), ``set_by`` (``"lp-lightning
+                             default"``: ``fit`` on CPU set 1 thread per process because
+                             ``OMP_NUM_THREADS`` was unset, docs/performance.md) and ``cpu_count``
 ``determinism``              ``algorithms`` (``torch.use_deterministic_algorithms``) and
                              ``fill_uninitialized_memory`` (``lp-lightning fit`` turns the NaN fill
                              off: docs/performance.md)
@@ -289,6 +291,7 @@ def _threads() -> dict[str, Any]:
         "torch_intra_op": torch.get_num_threads(),
         "torch_inter_op": torch.get_num_interop_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "set_by": "lp-lightning default" if os.environ.get("LP_LIGHTNING_THREADS_DEFAULTED") else "user",
         "cpu_count": os.cpu_count(),
     }
 

@@ -80,7 +80,10 @@ def _no_autocast(method):
     operands must stay FP32 even when the caller runs under BF16 autocast."""
 
     def wrapper(self, left: QuantizedOperand, *args, **kwargs):
-        with torch.autocast(device_type=left.device.type, enabled=False):
+        device_type = left.device.type
+        if not torch.is_autocast_enabled(device_type):  # entering the context costs more than checking
+            return method(self, left, *args, **kwargs)
+        with torch.autocast(device_type=device_type, enabled=False):
             return method(self, left, *args, **kwargs)
 
     wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
