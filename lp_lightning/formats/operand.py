@@ -119,6 +119,11 @@ class QuantizedOperand:
         format_max: Current-scaling formats only: the value the operand's amax was scaled to
             (HiF8: 15.0 for input/weight roles, 224.0 for gradients; docs/formats.md §1.7). None for
             block formats (default None).
+        values: Emulation only, optional: the operand's ``gemm_factors`` values (data's shape, in
+            the format's ``gemm_values_dtype``), written by the quantise kernel that made ``data``
+            so that a GEMM consuming the operand at once need not decode it again
+            (docs/performance.md). Never saved for backward, gathered or checkpointed; not
+            part of the operand's bytes. Default None.
 
     Raises:
         TypeError: if a field has the wrong type or dtype.
@@ -132,6 +137,7 @@ class QuantizedOperand:
     orientation: Orientation
     group_list: torch.Tensor | None = None
     format_max: float | None = None
+    values: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         spec = as_spec(self.format)
@@ -172,6 +178,12 @@ class QuantizedOperand:
         if self.format_max is not None and not (isinstance(self.format_max, float) and self.format_max > 0):
             raise ValueError(f"{who}: format_max must be a positive float, got {self.format_max!r}.")
         shape, scale_shape = tuple(self.data.shape), tuple(self.scale.shape)
+        if self.values is not None and (
+            not isinstance(self.values, torch.Tensor) or tuple(self.values.shape) != shape
+            or self.values.dtype != spec.gemm_values_dtype
+        ):
+            got = (self.values.dtype, tuple(self.values.shape)) if isinstance(self.values, torch.Tensor) else self.values
+            raise ValueError(f"{who}: values must be a {spec.gemm_values_dtype} tensor of shape {shape}, got {got}.")
         grouped = self.group_list is not None and spec.physical_orientation and self.orientation == "col"
         if grouped and counts is None:  # device counts: the scale's row count is not checked here
             if len(shape) != 2 or len(scale_shape) != 2 or scale_shape[1] != shape[1]:

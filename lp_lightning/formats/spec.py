@@ -123,6 +123,8 @@ class FormatSpec(abc.ABC):
         uses_format_max: Operands record the ``format_max`` their amax was scaled to.
         values_carry_scale: :meth:`gemm_factors` returns no product scale (block formats: the
             scales differ along the contraction and are applied while decoding).
+        gemm_values_dtype: The dtype in which the format's quantizers can also return the decoded
+            GEMM values (``QuantizedOperand.values``, ``values_dtype=``); None: they cannot.
     """
 
     name: str
@@ -133,6 +135,7 @@ class FormatSpec(abc.ABC):
     physical_orientation: bool
     uses_format_max: bool
     values_carry_scale: bool = False
+    gemm_values_dtype: torch.dtype | None = None
 
     # -- operands -----------------------------------------------------------------------------
     @abc.abstractmethod

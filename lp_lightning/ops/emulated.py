@@ -142,8 +142,15 @@ class EmulatedBackend:
         group_list: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
     ) -> QuantizedOperand:
-        """The quantizer's portable codec."""
-        return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, amax=amax)
+        """The quantizer's portable codec, which also returns the decoded GEMM values when the
+        format can (``FormatSpec.gemm_values_dtype``): the GEMMs that consume the operand at once
+        skip a decode pass (``QuantizedOperand.values``; docs/performance.md)."""
+        values_dtype = quantizer.format.gemm_values_dtype
+        if values_dtype is None:
+            return quantizer.quantize(tensor, orientation=orientation, group_list=group_list, amax=amax)
+        return quantizer.quantize(
+            tensor, orientation=orientation, group_list=group_list, amax=amax, values_dtype=values_dtype
+        )
 
     def quantize_dual(
         self, quantizer: Quantizer, tensor: torch.Tensor, *, amax: torch.Tensor | None = None

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lp_lightning.formats.hif8 import codec as hif8
+from lp_lightning.formats import set_compiled_kernels
 from lp_lightning.formats.hif8 import decode, encode
 
 # docs/formats.md §1.4, rows of 8 non-negative codes each (0x6F is +Inf). Typed in from the table;
@@ -274,3 +275,22 @@ def test_errors_name_the_argument():
         decode(torch.zeros(3, dtype=torch.int32))
     with pytest.raises(TypeError, match="decode: dtype must be a floating"):
         decode(torch.zeros(3, dtype=torch.uint8), torch.int32)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compiled)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_scaled_equals_divide_then_encode_and_decode(compiled, dtype):
+    # The fused current-scaling cast: conversion, IEEE division, encoding and the decoded values in
+    # one pass, bit-identical to the separate calls, on whole tiles plus a ragged tail.
+    set_compiled_kernels(compiled)
+    n = 20 * hif8._TILE_C + 37
+    x = (torch.randn(n) * torch.exp2(torch.randint(-20, 12, (n,)).float())).to(dtype)
+    x[:8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, -5e4, 3.0])
+    scale = torch.tensor(0.37109375 * 3, dtype=torch.float32)
+    codes, values = hif8.encode_scaled(x.view(2, -1) if n % 2 == 0 else x, scale, with_values=True)
+    ref = encode(x.to(torch.float32) / scale)
+    assert torch.equal(codes.reshape(-1), ref)
+    ref_values = decode(ref, torch.float32)
+    assert torch.equal(values.reshape(-1).isnan(), ref_values.isnan())
+    assert torch.equal(values.reshape(-1).nan_to_num(), ref_values.nan_to_num())
+    assert hif8.encode_scaled(x, scale)[1] is None

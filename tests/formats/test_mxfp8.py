@@ -552,3 +552,24 @@ def test_fused_dequantize_equals_eager_bit_for_bit_on_every_byte_and_code():
     finite = ~expected.isnan()
     assert torch.equal(back[finite], expected[finite].float())
     assert (back.isinf() == (expected.abs() >= 2.0**128)).all()
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compiled)])
+@pytest.mark.parametrize("shape", [(256, 128), (70, 45), (3, 64, 96)])
+@pytest.mark.parametrize("orientation", ["row", "col"])
+def test_quantize_with_values_equals_quantize_then_dequantize(compiled, shape, orientation):
+    # The emulated backend's fused cast (data, scale and the decoded values from one kernel) must
+    # be the two public calls bit for bit, special blocks included.
+    set_compiled_kernels(compiled)
+    x = _spread(shape, torch.bfloat16)
+    x.view(-1)[:32] = 0.0  # an all-zero block (code 0)
+    x.view(-1)[40] = math.nan
+    for values_dtype in (torch.bfloat16, torch.float32):
+        data, scale, values = mxfp8.quantize_with_values(x, orientation=orientation, values_dtype=values_dtype)
+        ref_data, ref_scale = mxfp8.quantize(x, orientation=orientation)
+        assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+        assert torch.equal(scale.view(torch.uint8), ref_scale.view(torch.uint8))
+        ref_values = mxfp8.dequantize(ref_data, ref_scale, orientation=orientation, output_dtype=values_dtype)
+        assert values.dtype == values_dtype and values.shape == x.shape
+        assert torch.equal(values.isnan(), ref_values.isnan())
+        assert torch.equal(values.nan_to_num(), ref_values.nan_to_num())

@@ -63,6 +63,7 @@ __all__ = [
     "HIF8_ZERO_CODE",
     "decode",
     "encode",
+    "encode_scaled",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -399,6 +400,25 @@ def _decode_kernel(code_N: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
     return bits_N.view(torch.float32).to(out_dtype)
 
 
+@fused(static_dims={0: (1,), 1: (0,)})
+def _encode_scaled_kernel(
+    x_RC: torch.Tensor, bound_C: torch.Tensor, scale: torch.Tensor, with_values: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_encode_kernel(x_RC.float() / scale)`` in one pass, plus the decoded FP32 codes when asked.
+
+    Args:
+        x_RC: ``[R, C]`` float32/bfloat16/float16 tiles.
+        bound_C: As ``_encode_kernel``.
+        scale: 0-d FP32 divisor (the current-scaling scale).
+        with_values: Also return ``_decode_kernel(codes, float32)``.
+
+    Returns:
+        ``(codes_RC uint8, values_RC float32 or None)``.
+    """
+    codes_RC = _encode_kernel.eager(x_RC.to(torch.float32) / scale, bound_C)
+    return codes_RC, (_decode_kernel.eager(codes_RC, torch.float32) if with_values else None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public API.
 
@@ -451,6 +471,52 @@ def encode(x: torch.Tensor, *, saturate: bool = False) -> torch.Tensor:
         code_parts.append(_encode_kernel(x_N[rows * _TILE_C :].view(1, tail), bound_C[:tail]).reshape(-1))
     code_N = code_parts[0] if len(code_parts) == 1 else torch.cat(code_parts)
     return code_N.reshape(x.shape)
+
+
+def encode_scaled(
+    x: torch.Tensor, scale: torch.Tensor, *, with_values: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``encode(x.float() / scale)`` (and ``decode`` of the result) in one pass over ``x``.
+
+    What a current-scaling quantizer does with a per-tensor scale, fused: the conversion to FP32,
+    the IEEE division and the encoding run in one kernel, and the decoded FP32 values are written
+    beside the codes when ``with_values`` (the emulated GEMMs consume them; docs/performance.md).
+    Bit-identical to the separate calls.
+
+    Args:
+        x: float32/bfloat16/float16 tensor of any shape.
+        scale: 0-d float32 tensor on ``x``'s device (> 0).
+        with_values: Also return ``decode(codes, torch.float32)``.
+
+    Returns:
+        ``(codes uint8, values float32 or None)``, both with ``x``'s shape.
+
+    Raises:
+        TypeError: for a non-floating ``x`` or a ``scale`` that is not a 0-d float32 tensor.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"encode_scaled: x must be a floating tensor, got {getattr(x, 'dtype', type(x).__name__)}.")
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 0 or scale.dtype != torch.float32:
+        got = (scale.dtype, tuple(scale.shape)) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise TypeError(f"encode_scaled: scale must be a 0-d torch.float32 tensor, got {got}.")
+    x_N = x.detach().contiguous().reshape(-1)
+    n = x_N.numel()
+    rows = n // _TILE_C
+    if rows == 0 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        codes = encode(x.detach().to(torch.float32) / scale)
+        return codes, (decode(codes, torch.float32) if with_values else None)
+    bound_C = _bound_row(False, x_N.device)
+    codes_RC, values_RC = _encode_scaled_kernel(x_N[: rows * _TILE_C].view(rows, _TILE_C), bound_C, scale, with_values)
+    code_parts, value_parts = [codes_RC.reshape(-1)], [values_RC.reshape(-1)] if with_values else []
+    if n > rows * _TILE_C:  # the ragged tail (< _TILE_C elements) runs eagerly
+        tail_codes = encode(x_N[rows * _TILE_C :].to(torch.float32) / scale)
+        code_parts.append(tail_codes)
+        if with_values:
+            value_parts.append(decode(tail_codes, torch.float32))
+    codes = (code_parts[0] if len(code_parts) == 1 else torch.cat(code_parts)).reshape(x.shape)
+    if not with_values:
+        return codes, None
+    return codes, (value_parts[0] if len(value_parts) == 1 else torch.cat(value_parts)).reshape(x.shape)
 
 
 def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -111,6 +111,7 @@ class HiF8Quantizer:
         orientation: Orientation,
         group_list: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
+        values_dtype: torch.dtype | None = None,
     ) -> QuantizedOperand:
         """Current-scaling quantize: ``scale`` from amax, ``data = encode(x32 / scale)``.
 
@@ -123,6 +124,8 @@ class HiF8Quantizer:
                 metadata (HiF8 scales are per tensor, so groups do not change the bits).
             amax: Optional precomputed FP32 amax (0-d, or ``[E]`` for 3-D), e.g. the MAX over an
                 FSDP group; default: ``compute_amax(tensor)``.
+            values_dtype: ``torch.float32`` (``SPEC.gemm_values_dtype``) to also return the decoded
+                codes as ``QuantizedOperand.values`` (emulation; docs/performance.md); default None.
 
         Returns:
             ``QuantizedOperand`` with ``uint8`` HiF8 codes (``tensor``'s shape), ``float32``
@@ -144,10 +147,16 @@ class HiF8Quantizer:
         elif not isinstance(amax, torch.Tensor) or tuple(amax.shape) != expected_amax_shape:
             got = tuple(amax.shape) if isinstance(amax, torch.Tensor) else type(amax).__name__
             raise TypeError(f"HiF8Quantizer.quantize: amax must be a tensor of shape {expected_amax_shape}, got {got}.")
+        if values_dtype not in (None, torch.float32):
+            raise ValueError(f"HiF8Quantizer.quantize: values_dtype must be None or torch.float32, got {values_dtype}.")
         scale = self.scale_from_amax(amax.to(tensor.device))
-        x32 = tensor.detach().to(torch.float32)
-        divisor = scale.reshape(-1, 1, 1) if tensor.dim() == 3 else scale
-        data = codec.encode(x32 / divisor)
+        values = None
+        if tensor.dim() == 3:  # one scale per leading group
+            data = codec.encode(tensor.detach().to(torch.float32) / scale.reshape(-1, 1, 1))
+            if values_dtype is not None:
+                values = codec.decode(data, torch.float32)
+        else:
+            data, values = codec.encode_scaled(tensor, scale, with_values=values_dtype is not None)
         return QuantizedOperand(
             data=data,
             scale=scale,
@@ -156,6 +165,7 @@ class HiF8Quantizer:
             orientation=orientation,
             group_list=group_list,
             format_max=self.format_max,
+            values=values,
         )
 
     def quantize_dual(

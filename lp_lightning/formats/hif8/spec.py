@@ -37,6 +37,7 @@ class HiF8Spec(FormatSpec):
     scale_dtype = torch.float32
     physical_orientation = False
     uses_format_max = True
+    gemm_values_dtype = torch.float32
 
     def scale_shape(
         self, data_shape: tuple[int, ...], orientation: Orientation, group_counts: list[int] | None = None
@@ -58,6 +59,8 @@ class HiF8Spec(FormatSpec):
     def gemm_factors(
         self, operand: QuantizedOperand, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if operand.values is not None and operand.values.dtype == dtype:  # decoded by the encode kernel
+            return operand.values, operand.scale
         return codec.decode(operand.data, dtype), operand.scale
 
     def exact_gemm_dtype(self, operand: QuantizedOperand) -> torch.dtype:

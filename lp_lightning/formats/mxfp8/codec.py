@@ -74,6 +74,7 @@ __all__ = [
     "quantize",
     "quantize_dual",
     "quantize_grouped",
+    "quantize_with_values",
     "scale_shape",
 ]
 
@@ -256,6 +257,29 @@ def _dequantize_col_blocks(data_GBN: torch.Tensor, code_GN: torch.Tensor, out_dt
     return (values_GBN * e8m0_code_values(code_GN)[:, None, :]).to(out_dtype)
 
 
+@fused(static_dims={0: (1,)})
+def _quantize_row_blocks_with_values(
+    x_NbB: torch.Tensor, values_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_quantize_row_blocks`` plus the decoded values, in one pass over ``x_NbB``.
+
+    Returns:
+        ``(data_NbB, code_Nb, values_NbB)``: the values are ``_dequantize_row_blocks(data_NbB,
+        code_Nb, values_dtype)``, bit for bit.
+    """
+    data_NbB, code_Nb, _ = _quantize_row_blocks.eager(x_NbB)
+    return data_NbB, code_Nb, _dequantize_row_blocks.eager(data_NbB, code_Nb, values_dtype)
+
+
+@fused(static_dims={0: (1,)})
+def _quantize_col_blocks_with_values(
+    x_GBN: torch.Tensor, values_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_quantize_col_blocks`` plus the decoded values (``_dequantize_col_blocks``), in one pass."""
+    data_GBN, code_GN, _ = _quantize_col_blocks.eager(x_GBN)
+    return data_GBN, code_GN, _dequantize_col_blocks.eager(data_GBN, code_GN, values_dtype)
+
+
 # --------------------------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------------------------
@@ -327,30 +351,46 @@ def _empty_result(x: torch.Tensor, orientation: str) -> tuple[torch.Tensor, torc
     return data, scale.view(torch.float8_e8m0fnu)
 
 
-def _quantize_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_row(
+    x: torch.Tensor, values_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     K = x.shape[-1]
     Kb = _num_blocks(K)
     x_RK = x.reshape(-1, K)
     if K % BLOCK_SIZE:
         x_RK = F.pad(x_RK, (0, Kb * BLOCK_SIZE - K))
-    data_NbB, code_Nb, _ = _quantize_row_blocks(x_RK.contiguous().view(-1, BLOCK_SIZE))
+    x_NbB = x_RK.contiguous().view(-1, BLOCK_SIZE)
+    values = None
+    if values_dtype is None:
+        data_NbB, code_Nb, _ = _quantize_row_blocks(x_NbB)
+    else:
+        data_NbB, code_Nb, values_NbB = _quantize_row_blocks_with_values(x_NbB, values_dtype)
+        values = values_NbB.view(-1, Kb * BLOCK_SIZE)[:, :K].reshape(x.shape)
     data_RK = data_NbB.view(-1, Kb * BLOCK_SIZE)[:, :K]
     data = data_RK.reshape(x.shape).view(torch.float8_e4m3fn)
     scale = code_Nb.view(*x.shape[:-1], Kb).view(torch.float8_e8m0fnu)
-    return data, scale
+    return data, scale, values
 
 
-def _quantize_col(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_col(
+    x: torch.Tensor, values_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     M, N = x.shape[-2], x.shape[-1]
     Mb = _num_blocks(M)
     x_BMN = x.reshape(-1, M, N)
     if M % BLOCK_SIZE:
         x_BMN = F.pad(x_BMN, (0, 0, 0, Mb * BLOCK_SIZE - M))
-    data_GBN, code_GN, _ = _quantize_col_blocks(x_BMN.contiguous().view(-1, BLOCK_SIZE, N))
+    x_GBN = x_BMN.contiguous().view(-1, BLOCK_SIZE, N)
+    values = None
+    if values_dtype is None:
+        data_GBN, code_GN, _ = _quantize_col_blocks(x_GBN)
+    else:
+        data_GBN, code_GN, values_GBN = _quantize_col_blocks_with_values(x_GBN, values_dtype)
+        values = values_GBN.view(-1, Mb * BLOCK_SIZE, N)[:, :M].reshape(x.shape)
     data_BMN = data_GBN.view(-1, Mb * BLOCK_SIZE, N)[:, :M]
     data = data_BMN.reshape(x.shape).view(torch.float8_e4m3fn)
     scale = code_GN.view(*x.shape[:-2], Mb, N).view(torch.float8_e8m0fnu)
-    return data, scale
+    return data, scale, values
 
 
 def quantize(x: torch.Tensor, *, orientation: MXOrientation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,7 +415,36 @@ def quantize(x: torch.Tensor, *, orientation: MXOrientation) -> tuple[torch.Tens
     _check_input("mxfp8.quantize", x, orientation)
     if x.numel() == 0:
         return _empty_result(x, orientation)
-    return _quantize_row(x) if orientation == "row" else _quantize_col(x)
+    data, scale, _ = _quantize_row(x) if orientation == "row" else _quantize_col(x)
+    return data, scale
+
+
+def quantize_with_values(
+    x: torch.Tensor, *, orientation: MXOrientation, values_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize`` plus ``dequantize(data, scale, output_dtype=values_dtype)``, from one kernel.
+
+    The emulated backend's GEMMs consume the decoded values of an operand they use at once; the
+    kernel writes them while it has each rounded value, instead of a second pass over the bytes
+    (docs/performance.md). Bit-identical to the two calls.
+
+    Args:
+        x, orientation: As ``quantize``.
+        values_dtype: ``OUTPUT_DTYPES`` member of the values.
+
+    Returns:
+        ``(data, scale, values)``; ``values`` has ``x``'s shape and ``values_dtype``.
+
+    Raises:
+        TypeError, ValueError: as ``quantize`` and ``dequantize``.
+    """
+    orientation = _check_orientation("mxfp8.quantize_with_values", orientation)
+    _check_input("mxfp8.quantize_with_values", x, orientation)
+    _check_output_dtype("mxfp8.quantize_with_values", values_dtype)
+    if x.numel() == 0:
+        data, scale = _empty_result(x, orientation)
+        return data, scale, torch.empty(x.shape, dtype=values_dtype, device=x.device)
+    return _quantize_row(x, values_dtype) if orientation == "row" else _quantize_col(x, values_dtype)
 
 
 def quantize_dual(

@@ -42,6 +42,7 @@ class MXFP8Quantizer:
         orientation: Orientation,
         group_list: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
+        values_dtype: torch.dtype | None = None,
     ) -> QuantizedOperand:
         """Quantize with 32-element blocks along the orientation's dim.
 
@@ -57,6 +58,9 @@ class MXFP8Quantizer:
                 blocks never cross rows, so the layout is the plain row one; the list is kept as
                 metadata. Default None.
             amax: Must be None (block scales come from each block).
+            values_dtype: ``torch.bfloat16`` (``SPEC.gemm_values_dtype``) to also return the
+                decoded values as ``QuantizedOperand.values`` (emulation; docs/performance.md);
+                default None.
 
         Returns:
             ``QuantizedOperand`` with ``float8_e4m3fn`` data (same shape as ``tensor``) and
@@ -73,8 +77,13 @@ class MXFP8Quantizer:
                 f"MXFP8Quantizer.quantize: orientation={orientation!r} needs a tensor with at least "
                 f"{1 if orientation == 'row' else 2} dims, got shape {tuple(tensor.shape)}."
             )
+        values = None
         if orientation == "col" and group_list is not None:
             data, scale = codec.quantize_grouped(tensor, group_list, orientation="col")
+            if values_dtype is not None:  # group-padded blocks: decoded in a second pass
+                values = codec.dequantize_grouped(data, scale, group_list, orientation="col", output_dtype=values_dtype)
+        elif values_dtype is not None:
+            data, scale, values = codec.quantize_with_values(tensor, orientation=orientation, values_dtype=values_dtype)
         else:
             data, scale = codec.quantize(tensor, orientation=orientation)
         return QuantizedOperand(
@@ -84,6 +93,7 @@ class MXFP8Quantizer:
             format=self.format,
             orientation=orientation,
             group_list=group_list,
+            values=values,
         )
 
     def quantize_dual(
