@@ -257,6 +257,22 @@ def _dequantize_col_blocks(data_GBN: torch.Tensor, code_GN: torch.Tensor, out_dt
     return (values_GBN * e8m0_code_values(code_GN)[:, None, :]).to(out_dtype)
 
 
+def _e4m3_values(q: torch.Tensor) -> torch.Tensor:
+    """FP32 values of ``_e4m3_bytes(q)`` computed in float arithmetic (no byte round trip).
+
+    The binade search of ``_e4m3_bytes_float_only``: with ``a = |q|`` clamped to 448 and ``R``
+    from 2^9 divided down until ``a·R`` lies in [8, 16) (normals) or stays below 8 (subnormals),
+    ``round_half_even(a·R) / R`` is the rounded magnitude exactly (``R`` is a power of two); the
+    sign of ``q`` is kept (``-0.0`` too) and NaN stays NaN, as decoding the bytes gives.
+    """
+    q = q.clamp(-E4M3_MAX, E4M3_MAX)
+    a = q.abs()
+    recip = torch.full_like(a, _E4M3_SUBNORMAL_STEPS)
+    for k in (8, 4, 2, 1):
+        recip = torch.where(a * recip >= float(8 * 2**k), recip * float(2.0**-k), recip)
+    return torch.copysign((a * recip).round() / recip, q)
+
+
 @fused(static_dims={0: (1,)})
 def _quantize_row_blocks_with_values(
     x_NbB: torch.Tensor, values_dtype: torch.dtype
@@ -264,20 +280,15 @@ def _quantize_row_blocks_with_values(
     """``_quantize_row_blocks`` plus the decoded values, in one pass over ``x_NbB``.
 
     Returns:
-        ``(data_NbB, code_Nb, values_NbB)``: the values are ``_dequantize_row_blocks(data_NbB,
-        code_Nb, values_dtype)``, bit for bit.
+        ``(data_NbB, code_Nb, values_NbB)``: the values equal ``_dequantize_row_blocks(data_NbB,
+        code_Nb, values_dtype)`` bit for bit, computed from the rounded FP32 values
+        (``_e4m3_values``) rather than from the bytes.
     """
-    data_NbB, code_Nb, _ = _quantize_row_blocks.eager(x_NbB)
-    return data_NbB, code_Nb, _dequantize_row_blocks.eager(data_NbB, code_Nb, values_dtype)
-
-
-@fused(static_dims={0: (1,)})
-def _quantize_col_blocks_with_values(
-    x_GBN: torch.Tensor, values_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_quantize_col_blocks`` plus the decoded values (``_dequantize_col_blocks``), in one pass."""
-    data_GBN, code_GN, _ = _quantize_col_blocks.eager(x_GBN)
-    return data_GBN, code_GN, _dequantize_col_blocks.eager(data_GBN, code_GN, values_dtype)
+    amax_Nb = x_NbB.abs().amax(dim=-1).to(torch.float32)
+    code_Nb, rcp_Nb = rceil_codes(amax_Nb)
+    q_NbB = x_NbB.to(torch.float32) * rcp_Nb[:, None]
+    values_NbB = (_e4m3_values(q_NbB) * e8m0_code_values(code_Nb)[:, None]).to(values_dtype)
+    return _encode_e4m3(q_NbB, x_NbB.dtype), code_Nb.to(torch.uint8), values_NbB
 
 
 # --------------------------------------------------------------------------------------------
@@ -372,25 +383,17 @@ def _quantize_row(
     return data, scale, values
 
 
-def _quantize_col(
-    x: torch.Tensor, values_dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _quantize_col(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
     M, N = x.shape[-2], x.shape[-1]
     Mb = _num_blocks(M)
     x_BMN = x.reshape(-1, M, N)
     if M % BLOCK_SIZE:
         x_BMN = F.pad(x_BMN, (0, 0, 0, Mb * BLOCK_SIZE - M))
-    x_GBN = x_BMN.contiguous().view(-1, BLOCK_SIZE, N)
-    values = None
-    if values_dtype is None:
-        data_GBN, code_GN, _ = _quantize_col_blocks(x_GBN)
-    else:
-        data_GBN, code_GN, values_GBN = _quantize_col_blocks_with_values(x_GBN, values_dtype)
-        values = values_GBN.view(-1, Mb * BLOCK_SIZE, N)[:, :M].reshape(x.shape)
+    data_GBN, code_GN, _ = _quantize_col_blocks(x_BMN.contiguous().view(-1, BLOCK_SIZE, N))
     data_BMN = data_GBN.view(-1, Mb * BLOCK_SIZE, N)[:, :M]
     data = data_BMN.reshape(x.shape).view(torch.float8_e4m3fn)
     scale = code_GN.view(*x.shape[:-2], Mb, N).view(torch.float8_e8m0fnu)
-    return data, scale, values
+    return data, scale, None
 
 
 def quantize(x: torch.Tensor, *, orientation: MXOrientation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,9 +427,10 @@ def quantize_with_values(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``quantize`` plus ``dequantize(data, scale, output_dtype=values_dtype)``, from one kernel.
 
-    The emulated backend's GEMMs consume the decoded values of an operand they use at once; the
-    kernel writes them while it has each rounded value, instead of a second pass over the bytes
-    (docs/performance.md). Bit-identical to the two calls.
+    The emulated backend's GEMMs consume the decoded values of an operand they use at once; for
+    row blocks the kernel writes them while it has each rounded value, instead of a second pass
+    over the bytes (docs/performance.md); col blocks take the two passes. Bit-identical to the two
+    calls.
 
     Args:
         x, orientation: As ``quantize``.
@@ -444,7 +448,11 @@ def quantize_with_values(
     if x.numel() == 0:
         data, scale = _empty_result(x, orientation)
         return data, scale, torch.empty(x.shape, dtype=values_dtype, device=x.device)
-    return _quantize_row(x, values_dtype) if orientation == "row" else _quantize_col(x, values_dtype)
+    if orientation == "row":
+        return _quantize_row(x, values_dtype)  # type: ignore[return-value]
+    # Col blocks: a fused kernel measured slower than the two passes (strided block reduction).
+    data, scale, _ = _quantize_col(x)
+    return data, scale, dequantize(data, scale, orientation="col", output_dtype=values_dtype)
 
 
 def quantize_dual(

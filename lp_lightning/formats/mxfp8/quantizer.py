@@ -58,9 +58,10 @@ class MXFP8Quantizer:
                 blocks never cross rows, so the layout is the plain row one; the list is kept as
                 metadata. Default None.
             amax: Must be None (block scales come from each block).
-            values_dtype: ``torch.bfloat16`` (``SPEC.gemm_values_dtype``) to also return the
-                decoded values as ``QuantizedOperand.values`` (emulation; docs/performance.md);
-                default None.
+            values_dtype: ``torch.bfloat16`` (``SPEC.gemm_values_dtype``) to also attach the decoded
+                values as ``QuantizedOperand.values`` where the cast produces them in the same pass:
+                row blocks (emulation; docs/performance.md). Col operands get none (a second pass
+                costs what the GEMM's own decode costs). Default None.
 
         Returns:
             ``QuantizedOperand`` with ``float8_e4m3fn`` data (same shape as ``tensor``) and
@@ -80,10 +81,8 @@ class MXFP8Quantizer:
         values = None
         if orientation == "col" and group_list is not None:
             data, scale = codec.quantize_grouped(tensor, group_list, orientation="col")
-            if values_dtype is not None:  # group-padded blocks: decoded in a second pass
-                values = codec.dequantize_grouped(data, scale, group_list, orientation="col", output_dtype=values_dtype)
-        elif values_dtype is not None:
-            data, scale, values = codec.quantize_with_values(tensor, orientation=orientation, values_dtype=values_dtype)
+        elif orientation == "row" and values_dtype is not None:
+            data, scale, values = codec.quantize_with_values(tensor, orientation="row", values_dtype=values_dtype)
         else:
             data, scale = codec.quantize(tensor, orientation=orientation)
         return QuantizedOperand(
