@@ -193,6 +193,12 @@ def test_run_summary_contract(runs):
     assert summary["tokens_per_s"] == pytest.approx(steady_rate, rel=1e-12)
     threads = summary["threads"]
     assert threads["torch_intra_op"] >= 1 and threads["cpu_count"] == os.cpu_count()
+    if os.environ.get("OMP_NUM_THREADS"):  # the user's choice is kept
+        assert threads["set_by"] == "user" and threads["OMP_NUM_THREADS"] == os.environ["OMP_NUM_THREADS"]
+    else:  # fit on CPU chose one thread per process (docs/performance.md "Threads")
+        assert threads["set_by"] == "lp-lightning default"
+        assert threads["torch_intra_op"] == 1 and threads["OMP_NUM_THREADS"] == "1"
+    assert summary["determinism"] == {"algorithms": True, "fill_uninitialized_memory": False}
     assert len(summary["load_average"]["start"]) == len(summary["load_average"]["end"]) == 3
     assert (Path(summary["root"]) / "logs" / "version_0" / "metrics.csv").is_file()
 
