@@ -32,6 +32,7 @@ QUICK_FIGURES = (
     + ["codec/mxfp8_dual_vs_torchao_compiled", "codec/mxfp8_dual_vs_clone",
        "codec/hif8_encode_vs_compiled_e4m3_cast", "codec/hif8_decode_vs_compiled_e4m3_decode"]
     + [f"gemm/{fmt}/{op}" for fmt in ("mxfp8_e4m3", "hif8") for op in OPS]
+    + ["suite/wall_time"]
 )  # fmt: skip
 
 

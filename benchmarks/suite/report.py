@@ -16,7 +16,7 @@ from suite.common import FIGURE_KEYS
 
 MARK_BEGIN, MARK_END = "<!-- results:begin -->", "<!-- results:end -->"
 ORDER = ("step_time/", "step_time_growth/", "recompiles/", "first_step/", "thread_thrash/", "wire/", "memory/",
-         "codec/", "gemm/")
+         "codec/", "gemm/", "suite/")
 """Table order: figure-name prefixes (longest match wins)."""
 _SYMBOL = {"<=": "≤", ">=": "≥", "==": "="}
 

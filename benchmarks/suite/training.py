@@ -310,7 +310,8 @@ def wire_memory_figures(runs: list[Run]) -> dict[str, Any]:
             target=TARGETS["reduce_scatter"], criterion="ratio == target", unit="bytes",
             detail={"per": "rank and optimizer step", "reduce_scatter_bytes": a["wire"]["reduce_scatter_bytes"],
                     "bf16_reduce_scatter_bytes": b["wire"]["reduce_scatter_bytes"]})
-        peaks, bf_peaks = a["peak_tensor_bytes_outside_emulation_per_rank"], b["peak_tensor_bytes_outside_emulation_per_rank"]
+        key = "peak_tensor_bytes_outside_emulation_per_rank"
+        peaks, bf_peaks = a[key], b[key]
         if peaks is None or bf_peaks is None:
             figures[names[2]] = missing("the TensorMemoryProbe measured no step", target=TARGETS["memory"],
                                         criterion="ratio <= target", unit="bytes")
