@@ -89,65 +89,77 @@ class Run:
         return self.summary["step_times_s"][self.summary["warmup_steps_excluded"]:]
 
 
+def fit_command(run_dir: Path, precision: str, processes: int, steps: int, *, seq_len: int | None = None,
+                global_batch_size: int | None = None, config_overrides: dict[str, Any] | None = None,
+                memory_warmup: int | None = None) -> list[str]:
+    """An ``lp-lightning fit`` command on ``configs/dsv3_tiny.yaml`` with validation, checkpoints,
+    logger and progress bar off (``None`` keeps the config's value; ``memory_warmup``: add the
+    TensorMemoryProbe with that many unmeasured steps; ``config_overrides`` turn spec validation off)."""
+    command = [
+        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
+        "--precision", precision, "--trainer.devices", str(processes), "--trainer.max_steps", str(steps),
+        "--trainer.default_root_dir", str(run_dir), "--trainer.limit_val_batches", "0",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--checkpoint.every_n_steps", "0", "--checkpoint.save_last", "false",
+    ]  # fmt: skip
+    if seq_len is not None:
+        command += ["--data.seq_len", str(seq_len)]
+    if global_batch_size is not None:
+        command += ["--data.global_batch_size", str(global_batch_size)]
+    if memory_warmup is not None:
+        command += ["--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe",
+                    f"--trainer.callbacks.warmup_steps={memory_warmup}"]
+    if config_overrides is not None:
+        command += ["--model.config_overrides", json.dumps(config_overrides), "--model.validate_spec", "false"]
+    return command
+
+
+def cli_env(threads: int | None) -> dict[str, str]:
+    """The runs' environment: ``OMP_NUM_THREADS`` removed (``threads`` ``None``: the product's default)
+    or set to ``threads``, this checkout first on ``PYTHONPATH``."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def run_cli(command: list[str], run_dir: Path, env: dict[str, str], timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Runs ``command`` (writing ``command.txt`` and ``console.log`` into ``run_dir``) and returns the
+    ``run_summary.json`` it wrote there.
+
+    Raises:
+        RuntimeError: the CLI failed or wrote no summary (the end of its console log is quoted).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = run_dir / "run_summary.json"
+    summary_path.unlink(missing_ok=True)
+    (run_dir / "command.txt").write_text(shlex.join(command))
+    with open(run_dir / "console.log", "w") as log:
+        proc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0 or not summary_path.is_file():
+        tail = (run_dir / "console.log").read_text()[-2000:]
+        raise RuntimeError(f"{shlex.join(command)} exited with {proc.returncode}; console.log ends:\n{tail}")
+    return json.loads(summary_path.read_text())
+
+
 @dataclasses.dataclass
 class Runner:
-    """Starts CLI runs under ``work_dir`` with the suite's environment and data settings."""
+    """Starts the suite's CLI runs under ``work_dir`` with its thread and data settings."""
 
     work_dir: Path
-    threads: int | None = None
+    threads: int | None = None  # OMP_NUM_THREADS of the runs; None: unset (the product's default)
     seq_len: int | None = None  # None: the config's (256)
-    timeout_s: float = 1800.0
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        return env
-
-    def command(self, run_dir: Path, precision: str, width: int, processes: int, steps: int,
-                memory_warmup: int | None) -> list[str]:
-        """The CLI command of one run (module docstring); ``memory_warmup``: add the TensorMemoryProbe."""
-        command = [
-            sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
-            "--precision", precision, "--trainer.devices", str(processes), "--trainer.max_steps", str(steps),
-            "--trainer.default_root_dir", str(run_dir), "--trainer.limit_val_batches", "0",
-            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-            "--checkpoint.every_n_steps", "0", "--checkpoint.save_last", "false",
-        ]  # fmt: skip
-        if self.seq_len is not None:
-            command += ["--data.seq_len", str(self.seq_len)]
-        overrides = overrides_for(width)
-        if overrides is not None:
-            command += ["--model.config_overrides", json.dumps(overrides), "--model.validate_spec", "false"]
-        if memory_warmup is not None:
-            command += ["--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe",
-                        f"--trainer.callbacks.warmup_steps={memory_warmup}"]
-        return command
 
     def run(self, kind: str, precision: str, width: int, processes: int, steps: int, round_: int,
             memory_warmup: int | None = None) -> Run:
-        """Runs one configuration and reads its ``run_summary.json``.
-
-        Raises:
-            RuntimeError: the CLI failed or wrote no summary (the end of its console log is quoted).
-        """
+        """Runs one configuration (:func:`fit_command`, :func:`overrides_for`) and reads its summary."""
         run_dir = self.work_dir / f"{kind}_{precision}_w{width}_p{processes}_r{round_}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        summary_path = run_dir / "run_summary.json"
-        summary_path.unlink(missing_ok=True)
-        command = self.command(run_dir, precision, width, processes, steps, memory_warmup)
-        (run_dir / "command.txt").write_text(shlex.join(command) + "\n")
+        command = fit_command(run_dir, precision, processes, steps, seq_len=self.seq_len,
+                              config_overrides=overrides_for(width), memory_warmup=memory_warmup)
         start = time.perf_counter()
-        with open(run_dir / "console.log", "w") as log:
-            proc = subprocess.run(command, cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=self.timeout_s)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0 or not summary_path.is_file():
-            tail = (run_dir / "console.log").read_text()[-2000:]
-            raise RuntimeError(f"{shlex.join(command)} exited with {proc.returncode}; console.log ends:\n{tail}")
-        summary = json.loads(summary_path.read_text())
-        return Run(kind, precision, width, processes, round_, steps, run_dir, wall, summary)
+        summary = run_cli(command, run_dir, cli_env(self.threads))
+        return Run(kind, precision, width, processes, round_, steps, run_dir, time.perf_counter() - start, summary)
 
 
 def _by(runs: list[Run], **match: Any) -> list[Run]:
