@@ -21,7 +21,7 @@ Then it applies the accounts of unmet figures (``benchmarks/suite/accounts.py``)
 results file and re-renders the tables without measuring. ``--quick`` is the smoke mode the test
 suite runs (one width, one process for step times, short runs, small codec/GEMM sizes).
 
-    python benchmarks/run_all.py                 # full suite, < 15 minutes on 2 cores
+    python benchmarks/run_all.py                 # full suite (target: under 15 minutes on 2 cores)
     python benchmarks/run_all.py --quick --results /tmp/r.json --readme /tmp/README.md
     python benchmarks/run_all.py --render-only   # after editing suite/accounts.py
 """

@@ -92,7 +92,8 @@ def test_quick_suite_writes_every_figure_and_the_readme_table(tmp_path):
             assert isinstance(fig.get("account"), str) and fig["account"], name
     for name in QUICK_FIGURES:  # measured in quick mode (the growth fit needs two widths; compile may be absent)
         if not name.startswith(("step_time_growth/", "recompiles/")):
-            assert figures[name]["value"] is not None and figures[name]["baseline"] is not None, name
+            assert figures[name]["value"] is not None, name
+            assert figures[name]["baseline"] is not None or name == "suite/wall_time", name
     for p in ("mxfp8", "hif8"):  # byte counts, not timings: the two wire baselines agree
         detail = figures[f"wire/{p}"]["detail"]
         assert detail["baseline_from_numel"] == figures[f"wire/{p}"]["baseline"]
