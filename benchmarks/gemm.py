@@ -1,22 +1,24 @@
 """Cost of the emulated low-precision GEMMs relative to plain BF16 and FP32 matmuls of the same shape.
 
-The emulated backend decodes both operands to FP32 (exact), multiplies in FP32 and rounds once
-(``lp_lightning/ops/emulated.py``). Decoding is O(M·K + K·N) against the O(M·N·K) product, so the
-emulated GEMM should cost little more than an FP32 matmul of the same shape, and be of the order of
-a BF16 one. This script measures, in one run, for each format and each GEMM of the contract
-(dense fprop/dgrad/wgrad, grouped fprop/dgrad/wgrad):
+The emulated backend (``lp_lightning/ops/emulated.py``) decodes both operands exactly and
+accumulates in FP32 with one rounding. This script times, for each format and each GEMM of the
+contract (dense fprop/dgrad/wgrad ``M×K×N``, grouped fprop/dgrad/wgrad over ``T`` token rows in
+``E`` uneven groups):
 
-- ``emulated_s``: median seconds of ``low_precision_matmul`` / ``low_precision_grouped_matmul`` on
-  operands quantized beforehand (quantization is timed separately as ``quantize_s``);
-- ``bf16_s`` / ``fp32_s``: the same product with ``torch.matmul`` on BF16 / FP32 tensors (grouped:
-  one matmul per group, the same loop the emulation runs);
-- ``ratio_vs_bf16`` / ``ratio_vs_fp32``: ``emulated_s`` divided by those.
+- ``emulated``: ``low_precision_matmul`` / ``low_precision_grouped_matmul`` on operands quantized
+  beforehand (``quantize``: the two operands' quantisation, timed as its own case);
+- ``bf16`` / ``fp32``: the same product with ``torch.matmul`` on BF16 / FP32 tensors (grouped: one
+  matmul per group, the loop a high-precision grouped GEMM runs); shared by the formats.
 
-It prints one JSON object. Example::
+All cases run in interleaved rounds (every case once per round, the order reversed on odd rounds:
+A B … B A) after one warm-up round, so every case sees the same machine state; each figure
+``gemm/<format>/<op>`` reports the medians, the median of the per-round ``emulated / bf16`` ratios
+and their spread, and in ``detail`` the FP32 time, ``ratio_vs_fp32`` and the quantisation time.
+Informational: no target (issue 14 asks for the step time, not the GEMM, to be within 1.5×).
 
-    python benchmarks/gemm.py --m 1024 --k 1024 --n 1024 --tokens 2048 --experts 8 --repeats 5
+Prints one JSON object (``figures`` in the results.json schema of ``benchmarks/suite/common.py``)::
 
-Timings on a shared machine are noisy; the ratios, not the absolute numbers, are the result.
+    python benchmarks/gemm.py --m 1024 --k 1024 --n 1024 --tokens 1024 --experts 8 --rounds 10
 """
 
 from __future__ import annotations
@@ -25,31 +27,21 @@ import argparse
 import json
 import platform
 import statistics
-import time
-from typing import Callable
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from lp_lightning.formats import QuantizationRole as R
-from lp_lightning.formats import recipe_for
-from lp_lightning.ops import low_precision_grouped_matmul, low_precision_matmul, use_backend
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # suite/ and this checkout's lp_lightning
+from suite.common import quantiles, time_interleaved, timed_figure  # noqa: E402
 
+from lp_lightning.formats import QuantizationRole as R  # noqa: E402
+from lp_lightning.formats import recipe_for  # noqa: E402
+from lp_lightning.ops import low_precision_grouped_matmul, low_precision_matmul, use_backend  # noqa: E402
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    fn()  # warm-up (lazy tables, compiled codec kernels, allocator)
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+FORMATS = ("mxfp8_e4m3", "hif8")
 
 
 def _counts(tokens: int, experts: int, generator: torch.Generator) -> torch.Tensor:
@@ -60,35 +52,6 @@ def _counts(tokens: int, experts: int, generator: torch.Generator) -> torch.Tens
     counts = torch.floor(weights / weights.sum() * tokens).to(torch.int64)
     counts[0] += tokens - int(counts.sum())
     return counts
-
-
-def _dense_cases(m: int, k: int, n: int, fmt: str, device: torch.device, g: torch.Generator):
-    recipe = recipe_for(fmt)
-    x = torch.randn(m, k, generator=g).to(device)
-    w = torch.randn(n, k, generator=g).to(device)
-    dy = torch.randn(m, n, generator=g).to(device)
-    q = lambda role, t, o: recipe.quantizer(role).quantize(t, orientation=o)  # noqa: E731
-    return {
-        "dense_fprop": (lambda: (q(R.INPUT_FWD, x, "row"), q(R.WEIGHT_FWD, w, "row")), "NT", (x, w.T)),
-        "dense_dgrad": (lambda: (q(R.GRAD_OUTPUT, dy, "row"), q(R.WEIGHT_BWD, w, "col")), "NN", (dy, w)),
-        "dense_wgrad": (lambda: (q(R.GRAD_OUTPUT, dy, "col"), q(R.INPUT_BWD, x, "col")), "TN", (dy.T, x)),
-    }
-
-
-def _grouped_cases(tokens: int, experts: int, k: int, n: int, fmt: str, device: torch.device, g: torch.Generator):
-    recipe = recipe_for(fmt)
-    counts = _counts(tokens, experts, g).to(device)
-    x = torch.randn(tokens, k, generator=g).to(device)
-    w = torch.randn(experts, k, n, generator=g).to(device)
-    dy = torch.randn(tokens, n, generator=g).to(device)
-    q = lambda role, t, o, gl=None: recipe.quantizer(role).quantize(t, orientation=o, group_list=gl)  # noqa: E731
-    return counts, {
-        "grouped_fprop": (lambda: (q(R.INPUT_FWD, x, "row"), q(R.WEIGHT_FWD, w, "col")), "NN", (x, w, "NN")),
-        "grouped_dgrad": (lambda: (q(R.GRAD_OUTPUT, dy, "row"), q(R.WEIGHT_BWD, w, "row")), "NT", (dy, w, "NT")),
-        "grouped_wgrad": (
-            lambda: (q(R.INPUT_BWD, x, "col", counts), q(R.GRAD_OUTPUT, dy, "col", counts)), "TN", (x, dy, "TN")
-        ),
-    }
 
 
 def _grouped_reference(a: torch.Tensor, b: torch.Tensor, layout: str, counts: list[int]) -> list[torch.Tensor]:
@@ -106,69 +69,102 @@ def _grouped_reference(a: torch.Tensor, b: torch.Tensor, layout: str, counts: li
     return outs
 
 
-def main() -> None:
+def _operands(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    m, k, n, t, e = args.m, args.k, args.n, args.tokens, args.experts
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    counts = _counts(t, e, g).to(device)
+    return {"x": rand(m, k), "w": rand(n, k), "dy": rand(m, n), "gx": rand(t, k), "gw": rand(e, k, n),
+            "gdy": rand(t, n), "counts": counts}
+
+
+def _cases(fmt: str, o: dict[str, Any]) -> dict[str, tuple[Callable[[], tuple[Any, Any]], str, bool]]:
+    """op -> (quantize both operands, layout, grouped) for one format."""
+    recipe = recipe_for(fmt)
+
+    def q(role: R, t: torch.Tensor, orientation: str, group_list: torch.Tensor | None = None) -> Any:
+        return recipe.quantizer(role).quantize(t, orientation=orientation, group_list=group_list)
+
+    x, w, dy, gx, gw, gdy, counts = (o[k] for k in ("x", "w", "dy", "gx", "gw", "gdy", "counts"))
+    return {
+        "dense_fprop": (lambda: (q(R.INPUT_FWD, x, "row"), q(R.WEIGHT_FWD, w, "row")), "NT", False),
+        "dense_dgrad": (lambda: (q(R.GRAD_OUTPUT, dy, "row"), q(R.WEIGHT_BWD, w, "col")), "NN", False),
+        "dense_wgrad": (lambda: (q(R.GRAD_OUTPUT, dy, "col"), q(R.INPUT_BWD, x, "col")), "TN", False),
+        "grouped_fprop": (lambda: (q(R.INPUT_FWD, gx, "row"), q(R.WEIGHT_FWD, gw, "col")), "NN", True),
+        "grouped_dgrad": (lambda: (q(R.GRAD_OUTPUT, gdy, "row"), q(R.WEIGHT_BWD, gw, "row")), "NT", True),
+        "grouped_wgrad": (lambda: (q(R.INPUT_BWD, gx, "col", counts), q(R.GRAD_OUTPUT, gdy, "col", counts)), "TN",
+                          True),
+    }  # fmt: skip
+
+
+def _references(o: dict[str, Any], dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """op -> the high-precision product of the same shape in ``dtype``."""
+    c = {k: v.to(dtype) if k != "counts" else v for k, v in o.items()}
+    host = o["counts"].tolist()
+    return {
+        "dense_fprop": lambda: c["x"] @ c["w"].T,
+        "dense_dgrad": lambda: c["dy"] @ c["w"],
+        "dense_wgrad": lambda: c["dy"].T @ c["x"],
+        "grouped_fprop": lambda: _grouped_reference(c["gx"], c["gw"], "NN", host),
+        "grouped_dgrad": lambda: _grouped_reference(c["gdy"], c["gw"], "NT", host),
+        "grouped_wgrad": lambda: _grouped_reference(c["gx"], c["gdy"], "TN", host),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Times every case (module docstring) and returns the report with its ``figures``."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    o = _operands(args, device)
+    cases: dict[str, Callable[[], object]] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for op, fn in _references(o, dtype).items():
+            cases[f"{op}/{str(dtype).removeprefix('torch.')}"] = fn
+    with use_backend("emulated"):
+        for fmt in args.formats:
+            for op, (quantize, layout, grouped) in _cases(fmt, o).items():
+                left, right = quantize()
+                if grouped:
+                    emulated = (lambda l=left, r=right, lay=layout: low_precision_grouped_matmul(
+                        l, r, o["counts"], layout=lay, output_dtype=torch.bfloat16))
+                else:
+                    emulated = (lambda l=left, r=right, lay=layout: low_precision_matmul(
+                        l, r, layout=lay, output_dtype=torch.bfloat16))
+                cases[f"{op}/{fmt}"] = emulated
+                cases[f"{op}/{fmt}/quantize"] = quantize
+        samples = time_interleaved(cases, warmup=1, rounds=args.rounds, sync=sync)
+    shapes = {"dense_MKN": [args.m, args.k, args.n], "grouped_TKN_E": [args.tokens, args.k, args.n, args.experts],
+              "group_counts": o["counts"].tolist()}
+    figures = {}
+    for fmt in args.formats:
+        for op in _cases(fmt, o):
+            emu, fp32 = statistics.median(samples[f"{op}/{fmt}"]), statistics.median(samples[f"{op}/float32"])
+            figures[f"gemm/{fmt}/{op}"] = timed_figure(
+                samples, f"{op}/{fmt}", f"{op}/bfloat16", target=None, criterion=None,
+                detail={"fp32_s": quantiles(samples[f"{op}/float32"]), "ratio_vs_fp32": emu / fp32,
+                        "quantize_s": quantiles(samples[f"{op}/{fmt}/quantize"]),
+                        "shape": shapes["grouped_TKN_E" if op.startswith("grouped") else "dense_MKN"]},
+            )
+    return {
+        "benchmark": "gemm", "backend": "emulated", "device": str(device), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "machine": platform.machine(), "rounds": args.rounds, **shapes,
+        "figures": figures,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, default=1024, help="dense rows M (tokens)")
     parser.add_argument("--k", type=int, default=1024, help="contraction dim K (hidden)")
     parser.add_argument("--n", type=int, default=1024, help="output columns N")
     parser.add_argument("--tokens", type=int, default=1024, help="grouped GEMM token rows T")
     parser.add_argument("--experts", type=int, default=8, help="grouped GEMM groups E")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads on CPU")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    parser.add_argument("--formats", nargs="+", default=["mxfp8_e4m3", "hif8"], choices=["mxfp8_e4m3", "hif8"])
-    args = parser.parse_args()
-
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    g = torch.Generator().manual_seed(0)
-    results = []
-    with use_backend("emulated"):
-        for fmt in args.formats:
-            cases = _dense_cases(args.m, args.k, args.n, fmt, device, g)
-            for op, (quantize, layout, (a, b)) in cases.items():
-                left, right = quantize()
-                emulated_s = _median_seconds(
-                    lambda: low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16),
-                    args.repeats, device,
-                )
-                a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-                bf16_s = _median_seconds(lambda: a16 @ b16, args.repeats, device)
-                fp32_s = _median_seconds(lambda: a @ b, args.repeats, device)
-                results.append({
-                    "op": op, "format": fmt, "layout": layout, "shape_MKN": [args.m, args.k, args.n],
-                    "quantize_s": _median_seconds(quantize, args.repeats, device),
-                    "emulated_s": emulated_s, "bf16_s": bf16_s, "fp32_s": fp32_s,
-                    "ratio_vs_bf16": emulated_s / bf16_s, "ratio_vs_fp32": emulated_s / fp32_s,
-                })
-            counts, grouped = _grouped_cases(args.tokens, args.experts, args.k, args.n, fmt, device, g)
-            host_counts = counts.tolist()
-            for op, (quantize, layout, (a, b, ref_layout)) in grouped.items():
-                left, right = quantize()
-                emulated_s = _median_seconds(
-                    lambda: low_precision_grouped_matmul(
-                        left, right, counts, layout=layout, output_dtype=torch.bfloat16
-                    ),
-                    args.repeats, device,
-                )
-                a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-                bf16_s = _median_seconds(
-                    lambda: _grouped_reference(a16, b16, ref_layout, host_counts), args.repeats, device
-                )
-                fp32_s = _median_seconds(
-                    lambda: _grouped_reference(a, b, ref_layout, host_counts), args.repeats, device
-                )
-                results.append({
-                    "op": op, "format": fmt, "layout": layout,
-                    "shape_TKN_E": [args.tokens, args.k, args.n, args.experts], "group_counts": host_counts,
-                    "quantize_s": _median_seconds(quantize, args.repeats, device),
-                    "emulated_s": emulated_s, "bf16_s": bf16_s, "fp32_s": fp32_s,
-                    "ratio_vs_bf16": emulated_s / bf16_s, "ratio_vs_fp32": emulated_s / fp32_s,
-                })
-    print(json.dumps({
-        "benchmark": "gemm", "backend": "emulated", "device": str(device), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.machine(), "repeats": args.repeats, "results": results,
-    }, indent=2))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    print(json.dumps(measure(parser.parse_args(argv)), indent=2))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import textwrap
 import time
@@ -52,9 +51,13 @@ from typing import Any
 
 import torch
 
-from lp_lightning.planner import plan_memory
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # suite/ and this checkout's lp_lightning
+from suite import training  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from lp_lightning.planner import plan_memory  # noqa: E402
+
+REPO = _HERE.parent
 SPEC = "dsv3-tiny"
 MODELS: dict[str, dict[str, Any] | None] = {
     "tiny": None,
@@ -82,19 +85,8 @@ PAIRS = {  # probe component -> planner components
 
 def fit_command(run_dir: Path, model: str, devices: int, precision: str) -> list[str]:
     """The ``lp-lightning fit`` command of one configuration (module docstring)."""
-    command = [
-        sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
-        "--precision", precision, "--trainer.devices", str(devices), "--trainer.max_steps", str(STEPS),
-        "--trainer.default_root_dir", str(run_dir), "--trainer.limit_val_batches", "0",
-        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-        "--checkpoint.every_n_steps", "0", "--checkpoint.save_last", "false",
-        "--data.seq_len", str(SEQ_LEN), "--data.global_batch_size", str(GLOBAL_BATCH),
-        "--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe",
-        f"--trainer.callbacks.warmup_steps={WARMUP}",
-    ]  # fmt: skip
-    if MODELS[model] is not None:
-        command += ["--model.config_overrides", json.dumps(MODELS[model]), "--model.validate_spec", "false"]
-    return command
+    return training.fit_command(run_dir, precision, devices, STEPS, seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH,
+                                config_overrides=MODELS[model], memory_warmup=WARMUP)
 
 
 def measure(run_dir: Path, model: str, devices: int, precision: str, *, reuse: bool) -> dict[str, Any]:
@@ -103,16 +95,7 @@ def measure(run_dir: Path, model: str, devices: int, precision: str, *, reuse: b
     summary_path, command_path = run_dir / "run_summary.json", run_dir / "command.txt"
     if reuse and summary_path.is_file() and command_path.is_file() and command_path.read_text() == shlex.join(command):
         return json.loads(summary_path.read_text())
-    run_dir.mkdir(parents=True, exist_ok=True)
-    summary_path.unlink(missing_ok=True)
-    command_path.write_text(shlex.join(command))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    with open(run_dir / "console.log", "w") as log:
-        proc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-    if proc.returncode != 0 or not summary_path.is_file():
-        tail = (run_dir / "console.log").read_text()[-2000:]
-        raise RuntimeError(f"{shlex.join(command)} exited with {proc.returncode}; console.log ends:\n{tail}")
-    return json.loads(summary_path.read_text())
+    return training.run_cli(command, run_dir, training.cli_env(threads=1))
 
 
 def compare(summary: dict[str, Any], model: str, devices: int, precision: str, run_dir: Path) -> dict[str, Any]:

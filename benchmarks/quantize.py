@@ -1,35 +1,41 @@
-"""Cost of the codec kernels (MXFP8 dual-axis quantisation, HiF8 encode/decode) against baselines.
+"""Cost of the codec kernels (MXFP8 dual-axis quantisation, HiF8 encode/decode) against fair peers.
 
-Everything is timed side by side in one process, in interleaved rounds (round ``r`` runs every
-case once), and each case reports the median over ``--repeats`` rounds after a warm-up, so the
-ratios compare the same machine state. The slow eager reference kernels run in a second phase
-(``--eager-repeats`` rounds, each next to its compiled twin) so that their large temporaries do not
-disturb the first. Cases (``S = --size``):
+Every case is timed in one process in interleaved rounds (round ``r`` runs every case once, the
+order reversed on odd rounds: A B … B A), after ``--warmup`` untimed rounds that also compile
+every ``torch.compile``'d case; each figure reports the medians, the median of the **per-round
+ratios** and their spread (min / quartiles / max over ``--rounds`` rounds). Cases (``S = --size``;
+MXFP8 cases and copies on an ``S×S`` BF16 tensor, HiF8 and E4M3 cases on an ``S×S`` FP32 one):
 
-- ``clone``: ``x.clone()`` of the ``S×S`` BF16 input — the memory-bound floor.
+- ``copy_``: ``out.copy_(x)`` into a buffer allocated and first-touched once — the memory-bound
+  floor. The old ``x.clone()`` floor was bimodal (2.6-95 ms): each call allocates 32 MiB, which
+  glibc serves with a fresh ``mmap`` and returns on free, so every call page-faults 8192 new pages
+  that the kernel zeroes, at a cost that swings with the host. ``clone`` is still timed (detail).
 - ``mxfp8_dual``: ``lp_lightning.formats.mxfp8.quantize_dual(x)`` (row + col MXFP8, RCEIL) with the
-  compiled (``@fused``) kernels; ``mxfp8_dual_eager`` the same with ``set_compiled_kernels(False)``.
-- ``torchao_mx_both``: torchao's MX cast of both orientations, ``to_mx(x, float8_e4m3fn, 32,
-  ScaleCalculationMode.RCEIL)`` and ``to_mx(x.t().contiguous(), ...)`` — what torchao's emulated
-  MXFP8 training does for dim0 and dim1 (``_to_mxfp8_dim1_kernel_wrapper``).
-- ``hif8_encode`` / ``hif8_decode`` (+ ``_eager``): ``lp_lightning.formats.hif8.encode`` of an
-  ``S×S`` FP32 tensor and ``decode`` of its codes to FP32; baselines ``native_e4m3_cast``
-  (``x.to(torch.float8_e4m3fn)``) and ``native_e4m3_decode`` (E4M3 → FP32 ``.to``).
+  compiled kernels (it allocates its outputs on every call, page faults included).
+- ``torchao_compiled``: torchao's ``to_mx(t, float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)`` under
+  ``torch.compile``, called on ``x`` and on ``x.t().contiguous()``: torchao's emulated dim0 + dim1
+  MX cast, compiled — the fair peer (eager torchao is in the eager phase only). Compiled per call,
+  not as one graph with the transpose: that graph is 3.6× slower (0.59 s against 0.16 s for
+  4096², 2 threads, torch 2.13), and a peer gets its faster form.
+- ``hif8_encode`` / ``hif8_decode``: ``lp_lightning.formats.hif8.encode`` of the FP32 tensor and
+  ``decode`` of its codes; peers ``e4m3_cast_compiled`` / ``e4m3_decode_compiled``:
+  ``torch.compile`` of ``x.to(torch.float8_e4m3fn)`` and of ``e4m3.to(torch.float32)`` (the eager
+  casts ``e4m3_cast`` / ``e4m3_decode`` are timed too, detail).
 
-Compile cost is one-off and reported apart (``compile_s``: first call minus the steady median;
-small when torch's on-disk inductor cache is warm). Ratios (lower is faster for ``*_over_*``):
+Figures (``benchmarks/README.md``; targets of issue 14):
 
-- ``mxfp8_dual_over_clone`` — acceptance: ≤ 3.
-- ``torchao_over_mxfp8_dual`` — speed-up over torchao; acceptance: ≥ 5.
-- ``mxfp8_dual_eager_over_fused``, ``hif8_*_eager_over_fused`` — what compilation buys.
-- ``hif8_encode_over_native_e4m3_cast``, ``hif8_decode_over_native_e4m3_decode`` — software HiF8
-  against the native FP8 cast of the same FP32 tensor; acceptance: ≤ 1.5 each.
+- ``codec/mxfp8_dual_vs_torchao_compiled``: speed-up (``torchao_compiled / mxfp8_dual``) ≥ 2;
+- ``codec/mxfp8_dual_vs_clone``: ``mxfp8_dual / copy_`` ≤ 3;
+- ``codec/hif8_encode_vs_compiled_e4m3_cast``, ``codec/hif8_decode_vs_compiled_e4m3_decode`` ≤ 1.5.
 
-Prints one JSON object to stdout. Example::
+``--eager-rounds N`` (default 3, 0 skips) adds a second phase, apart so that the eager kernels'
+large temporaries do not disturb the first: each compiled codec next to its eager reference
+(``set_compiled_kernels(False)``) and eager torchao, plus a bit-identity check of compiled against
+eager on the benchmark inputs. ``compile_s`` is each compiled case's first call minus its median.
 
-    python benchmarks/quantize.py --size 4096 --repeats 10 --threads 2
+Prints one JSON object (``figures`` in the results.json schema of ``benchmarks/suite/common.py``)::
 
-Timings on a shared machine are noisy; compare ratios from one run, not absolute seconds.
+    python benchmarks/quantize.py --size 4096 --rounds 20 --threads 2
 """
 
 from __future__ import annotations
@@ -39,34 +45,37 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from lp_lightning.formats import mxfp8, set_compiled_kernels
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # suite/ and this checkout's lp_lightning
+from suite.common import missing, quantiles, time_interleaved, timed_figure  # noqa: E402
 
-TARGETS = {
-    "mxfp8_dual_over_clone_max": 3.0,
-    "torchao_over_mxfp8_dual_min": 5.0,
-    "hif8_encode_over_native_e4m3_cast_max": 1.5,
-    "hif8_decode_over_native_e4m3_decode_max": 1.5,
-}
+from lp_lightning.formats import hif8, mxfp8, set_compiled_kernels  # noqa: E402
+
+FIGURES = {  # name: (case, peer, target, criterion, speed-up)
+    "codec/mxfp8_dual_vs_torchao_compiled": ("mxfp8_dual", "torchao_compiled", 2.0, "ratio >= target", True),
+    "codec/mxfp8_dual_vs_clone": ("mxfp8_dual", "copy_", 3.0, "ratio <= target", False),
+    "codec/hif8_encode_vs_compiled_e4m3_cast": ("hif8_encode", "e4m3_cast_compiled", 1.5, "ratio <= target", False),
+    "codec/hif8_decode_vs_compiled_e4m3_decode": ("hif8_decode", "e4m3_decode_compiled", 1.5, "ratio <= target",
+                                                  False),
+}  # fmt: skip
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=int, default=4096, help="side S of the S×S input (default 4096)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed rounds per case (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
-    parser.add_argument(
-        "--eager-repeats", type=int, default=3, help="timed rounds of the (slow) eager-vs-fused phase; 0 skips it"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's current setting)"
-    )
+    parser.add_argument("--size", type=int, default=4096, help="side S of the S×S inputs (default 4096)")
+    parser.add_argument("--rounds", type=int, default=20, help="timed interleaved rounds (default 20)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles; default 2)")
+    parser.add_argument("--eager-rounds", type=int, default=3, help="rounds of the eager-vs-compiled phase; 0 skips")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def _with_compiled(enabled: bool, fn: Callable[[], object]) -> Callable[[], object]:
@@ -80,44 +89,45 @@ def _with_compiled(enabled: bool, fn: Callable[[], object]) -> Callable[[], obje
     return run
 
 
-def _first_call_seconds(fn: Callable[[], object]) -> float:
+def _torchao_both() -> tuple[Callable[[torch.Tensor], object] | None, Callable[[torch.Tensor], object] | None, str]:
+    """torchao's MX cast of both orientations: eager, compiled (module docstring), and torchao's
+    version or why it is unavailable."""
+    try:
+        import torchao
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except Exception as exc:  # noqa: BLE001 - optional benchmark dependency
+        return None, None, f"unavailable ({type(exc).__name__}: {exc})"
+
+    def cast(t: torch.Tensor) -> object:
+        return to_mx(t, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+
+    compiled_cast = torch.compile(cast, dynamic=False)
+    eager = lambda x: (cast(x), cast(x.t().contiguous()))  # noqa: E731
+    compiled = lambda x: (compiled_cast(x), compiled_cast(x.t().contiguous()))  # noqa: E731
+    return eager, compiled, getattr(torchao, "__version__", "unknown")
+
+
+def _first_call_s(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def _torchao_case(x: torch.Tensor) -> tuple[Callable[[], object] | None, str]:
-    try:
-        import torchao
-        from torchao.prototype.mx_formats.config import ScaleCalculationMode
-        from torchao.prototype.mx_formats.mx_tensor import to_mx
-    except Exception as exc:  # optional bench dependency
-        return None, f"unavailable ({type(exc).__name__}: {exc})"
-
-    def both() -> object:
-        row = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
-        col = to_mx(x.t().contiguous(), torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
-        return row, col
-
-    return both, getattr(torchao, "__version__", "unknown")
+def _bit_identity(x_bf16: torch.Tensor, x_f32: torch.Tensor, codes: torch.Tensor) -> dict[str, bool]:
+    """Compiled against eager codec outputs on the benchmark inputs (bitwise)."""
+    fused = mxfp8.quantize_dual(x_bf16)
+    eager = _with_compiled(False, lambda: mxfp8.quantize_dual(x_bf16))()
+    pairs = [(a, b) for f, e in zip(fused, eager) for a, b in zip(f, e)]  # type: ignore[arg-type]
+    out = {"mxfp8_dual": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)}
+    out["hif8_encode"] = torch.equal(hif8.encode(x_f32), _with_compiled(False, lambda: hif8.encode(x_f32))())
+    dec_eager = _with_compiled(False, lambda: hif8.decode(codes, torch.float32))()
+    out["hif8_decode"] = torch.equal(hif8.decode(codes, torch.float32).view(torch.int32), dec_eager.view(torch.int32))
+    return out
 
 
-def _time_interleaved(cases: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict[str, float]:
-    """Median seconds per case; round ``r`` runs every case once, so all cases share machine state."""
-    for _ in range(warmup):
-        for fn in cases.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
-def main() -> None:
-    args = _parse_args()
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Times every case (module docstring) and returns the report with its ``figures``."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -125,116 +135,91 @@ def main() -> None:
     x_bf16 = torch.randn(S, S).to(torch.bfloat16)
     x_f32 = torch.randn(S, S)
     e4m3 = x_f32.to(torch.float8_e4m3fn)
+    codes = hif8.encode(x_f32)
+    out = torch.empty_like(x_bf16)
+    out.copy_(x_bf16)  # first touch: the pages exist before the first timed copy
 
-    # One-off compile cost: the first calls build the compiled kernels for these shapes/dtypes.
-    first_call: dict[str, float] = {
-        "mxfp8_dual": _first_call_seconds(lambda: mxfp8.quantize_dual(x_bf16)),
-    }
-    main_cases: dict[str, Callable[[], object]] = {
+    cast_compiled = torch.compile(lambda t: t.to(torch.float8_e4m3fn), dynamic=False)
+    decode_compiled = torch.compile(lambda t: t.to(torch.float32), dynamic=False)
+    cases: dict[str, Callable[[], object]] = {
+        "copy_": lambda: out.copy_(x_bf16),
         "clone": lambda: x_bf16.clone(),
-        "mxfp8_dual": _with_compiled(True, lambda: mxfp8.quantize_dual(x_bf16)),
-        "native_e4m3_cast": lambda: x_f32.to(torch.float8_e4m3fn),
-        "native_e4m3_decode": lambda: e4m3.to(torch.float32),
+        "mxfp8_dual": lambda: mxfp8.quantize_dual(x_bf16),
+        "hif8_encode": lambda: hif8.encode(x_f32),
+        "e4m3_cast_compiled": lambda: cast_compiled(x_f32),
+        "e4m3_cast": lambda: x_f32.to(torch.float8_e4m3fn),
+        "hif8_decode": lambda: hif8.decode(codes, torch.float32),
+        "e4m3_decode_compiled": lambda: decode_compiled(e4m3),
+        "e4m3_decode": lambda: e4m3.to(torch.float32),
     }
-    eager_cases: dict[str, Callable[[], object]] = {
-        "mxfp8_dual": main_cases["mxfp8_dual"],
-        "mxfp8_dual_eager": _with_compiled(False, lambda: mxfp8.quantize_dual(x_bf16)),
-    }
+    torchao_both, torchao_compiled, torchao_version = _torchao_both()
+    if torchao_compiled is not None:
+        cases["torchao_compiled"] = lambda: torchao_compiled(x_bf16)
+    compiled = [n for n in cases if n in ("mxfp8_dual", "hif8_encode", "hif8_decode", "torchao_compiled")
+                or n.endswith("_compiled")]
+    first_call = {name: _first_call_s(cases[name]) for name in compiled}
+    samples = time_interleaved(cases, warmup=args.warmup, rounds=args.rounds)
 
-    torchao_fn, torchao_version = _torchao_case(x_bf16)
-    if torchao_fn is not None:
-        main_cases["torchao_mx_both"] = torchao_fn
+    figures: dict[str, Any] = {}
+    for name, (case, peer, target, criterion, speedup) in FIGURES.items():
+        if peer not in samples:
+            figures[name] = missing(f"torchao {torchao_version}", target=target, criterion=criterion, unit="s",
+                                    ratio_is="baseline / value" if speedup else "value / baseline")
+            continue
+        detail: dict[str, Any] = {"size": [S, S]}
+        if peer == "copy_":  # the allocating clone, for comparison with the old baseline
+            detail["clone_s"] = quantiles(samples["clone"])
+            detail["ratio_vs_allocating_clone"] = statistics.median(samples[case]) / statistics.median(samples["clone"])
+        elif peer.endswith("_compiled") and peer.startswith("e4m3"):
+            eager_peer = peer.removesuffix("_compiled")
+            detail[f"{eager_peer}_eager_s"] = quantiles(samples[eager_peer])
+            detail["ratio_vs_eager_cast"] = statistics.median(samples[case]) / statistics.median(samples[eager_peer])
+        figures[name] = timed_figure(samples, case, peer, target=target, criterion=criterion, speedup=speedup,
+                                     detail=detail)
 
-    hif8_status = "ok"
-    try:  # the HiF8 codec is written by another helper: report its absence, do not fail
-        from lp_lightning.formats import hif8
+    eager: dict[str, Any] = {}
+    if args.eager_rounds > 0:
+        eager_cases: dict[str, Callable[[], object]] = {
+            "mxfp8_dual": cases["mxfp8_dual"],
+            "mxfp8_dual_eager": _with_compiled(False, lambda: mxfp8.quantize_dual(x_bf16)),
+            "hif8_encode": cases["hif8_encode"],
+            "hif8_encode_eager": _with_compiled(False, lambda: hif8.encode(x_f32)),
+            "hif8_decode": cases["hif8_decode"],
+            "hif8_decode_eager": _with_compiled(False, lambda: hif8.decode(codes, torch.float32)),
+        }
+        if torchao_both is not None:
+            eager_cases["torchao_eager"] = lambda: torchao_both(x_bf16)
+        eager_samples = time_interleaved(eager_cases, warmup=1, rounds=args.eager_rounds)
+        med = {k: statistics.median(v) for k, v in eager_samples.items()}
+        eager = {
+            "median_s": {k: round(v, 6) for k, v in med.items()},
+            "eager_over_compiled": {n: round(med[f"{n}_eager"] / med[n], 3)
+                                    for n in ("mxfp8_dual", "hif8_encode", "hif8_decode")},
+            "compiled_equals_eager": _bit_identity(x_bf16, x_f32, codes),
+        }
+        if "torchao_eager" in med:
+            eager["torchao_eager_over_mxfp8_dual"] = round(med["torchao_eager"] / med["mxfp8_dual"], 3)
 
-        first_call["hif8_encode"] = _first_call_seconds(lambda: hif8.encode(x_f32))
-        codes = hif8.encode(x_f32)
-        first_call["hif8_decode"] = _first_call_seconds(lambda: hif8.decode(codes, torch.float32))
-    except Exception as exc:
-        hif8 = None
-        hif8_status = f"unavailable ({type(exc).__name__}: {exc})"
-        first_call.pop("hif8_encode", None)
-    if hif8 is not None:
-        main_cases["hif8_encode"] = _with_compiled(True, lambda: hif8.encode(x_f32))
-        main_cases["hif8_decode"] = _with_compiled(True, lambda: hif8.decode(codes, torch.float32))
-        eager_cases["hif8_encode"] = main_cases["hif8_encode"]
-        eager_cases["hif8_encode_eager"] = _with_compiled(False, lambda: hif8.encode(x_f32))
-        eager_cases["hif8_decode"] = main_cases["hif8_decode"]
-        eager_cases["hif8_decode_eager"] = _with_compiled(False, lambda: hif8.decode(codes, torch.float32))
-
-    # Phase 1: the acceptance ratios. Phase 2 (apart, so that the eager kernels' large temporaries
-    # do not disturb phase 1): eager vs fused, each pair timed side by side again.
-    median = _time_interleaved(main_cases, args.warmup, args.repeats)
-    eager_median = _time_interleaved(eager_cases, 1, args.eager_repeats) if args.eager_repeats > 0 else {}
-    compile_s = {name: max(0.0, first - median[name]) for name, first in first_call.items()}
-
-    # Bit-identity of the compiled path (cheap; the unit tests check it on special values too).
-    fused_equals_eager = {}
-    (rd, rs), (cd, cs) = main_cases["mxfp8_dual"]()  # type: ignore[misc]
-    (erd, ers), (ecd, ecs) = _with_compiled(False, lambda: mxfp8.quantize_dual(x_bf16))()  # type: ignore[misc]
-    pairs = ((rd, erd), (rs, ers), (cd, ecd), (cs, ecs))
-    fused_equals_eager["mxfp8_dual"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in pairs)
-    if hif8 is not None:
-        enc_eager = _with_compiled(False, lambda: hif8.encode(x_f32))()
-        dec_eager = _with_compiled(False, lambda: hif8.decode(codes, torch.float32))()
-        enc_fused = main_cases["hif8_encode"]()
-        fused_equals_eager["hif8_encode"] = torch.equal(enc_fused, enc_eager)  # type: ignore[arg-type]
-        fused_equals_eager["hif8_decode"] = torch.equal(
-            main_cases["hif8_decode"]().view(torch.int32), dec_eager.view(torch.int32)  # type: ignore[union-attr]
-        )
-
-    ratios: dict[str, float | str] = {
-        "mxfp8_dual_over_clone": median["mxfp8_dual"] / median["clone"],
-    }
-    if torchao_fn is not None:
-        ratios["torchao_over_mxfp8_dual"] = median["torchao_mx_both"] / median["mxfp8_dual"]
-        ratios["torchao_over_clone"] = median["torchao_mx_both"] / median["clone"]
-    else:
-        ratios["torchao_over_mxfp8_dual"] = torchao_version
-    if hif8 is not None:
-        ratios["hif8_encode_over_native_e4m3_cast"] = median["hif8_encode"] / median["native_e4m3_cast"]
-        ratios["hif8_decode_over_native_e4m3_decode"] = median["hif8_decode"] / median["native_e4m3_decode"]
-    else:
-        for key in ("hif8_encode_over_native_e4m3_cast", "hif8_decode_over_native_e4m3_decode"):
-            ratios[key] = hif8_status
-    for name in ("mxfp8_dual", "hif8_encode", "hif8_decode"):
-        if f"{name}_eager" in eager_median:
-            ratios[f"{name}_eager_over_fused"] = eager_median[f"{name}_eager"] / eager_median[name]
-
-    meets = {
-        "mxfp8_dual_over_clone<=3": ratios["mxfp8_dual_over_clone"] <= TARGETS["mxfp8_dual_over_clone_max"],
-    }
-    if torchao_fn is not None:
-        speedup = float(ratios["torchao_over_mxfp8_dual"])
-        meets["torchao_over_mxfp8_dual>=5"] = speedup >= TARGETS["torchao_over_mxfp8_dual_min"]
-    if hif8 is not None:
-        for key in ("hif8_encode_over_native_e4m3_cast", "hif8_decode_over_native_e4m3_decode"):
-            meets[f"{key}<=1.5"] = float(ratios[key]) <= TARGETS[f"{key}_max"]
-
-    report = {
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    return {
         "benchmark": "quantize",
         "size": S,
-        "repeats": args.repeats,
-        "eager_repeats": args.eager_repeats,
+        "rounds": args.rounds,
         "warmup": args.warmup,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torchao": torchao_version,
-        "hif8": hif8_status,
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "median_s": {k: round(v, 6) for k, v in median.items()},
-        "median_s_eager_phase": {k: round(v, 6) for k, v in eager_median.items()},
-        "compile_s": {k: round(v, 3) for k, v in compile_s.items()},
-        "ratios": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in ratios.items()},
-        "targets": TARGETS,
-        "meets_targets": meets,
-        "fused_equals_eager": fused_equals_eager,
+        "median_s": {k: round(v, 6) for k, v in medians.items()},
+        "compile_s": {k: round(max(0.0, v - medians[k]), 3) for k, v in first_call.items()},
+        "figures": figures,
+        "eager_phase": eager or None,
     }
-    print(json.dumps(report, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(measure(_parse_args(argv)), indent=2))
 
 
 if __name__ == "__main__":
