@@ -51,14 +51,14 @@ MODES: dict[str, dict[str, Any]] = {
     "full": {
         "widths": [256, 512, 1024], "processes": [1, 2],
         "steps": {256: 12, 512: 10, 1024: 8}, "anchor_steps": (30, 12), "memory_steps": 2, "memory_warmup": 1,
-        "seq_len": None,
+        "second_round": training.PRECISIONS, "memory_precisions": training.PRECISIONS, "seq_len": None,
         "quantize": ["--size", "4096", "--rounds", "20", "--warmup", "2"],
         "gemm": ["--m", "1024", "--k", "1024", "--n", "1024", "--tokens", "1024", "--experts", "8", "--rounds", "6"],
     },
     "quick": {
         "widths": [256], "processes": [1],
-        "steps": {256: 24}, "anchor_steps": (24, 8), "memory_steps": 1, "memory_warmup": 0,
-        "seq_len": 64,
+        "steps": {256: 24}, "anchor_steps": (22, 4), "memory_steps": 1, "memory_warmup": 0,
+        "second_round": ("mxfp8",), "memory_precisions": ("bf16", "mxfp8"), "seq_len": 64,
         "quantize": ["--size", "1024", "--rounds", "6", "--warmup", "1"],
         "gemm": ["--m", "256", "--k", "256", "--n", "256", "--tokens", "256", "--experts", "4", "--rounds", "3"],
     },
@@ -66,8 +66,10 @@ MODES: dict[str, dict[str, Any]] = {
 """Per mode: widths, process counts, optimizer steps per width (5 of them warm-up), the anchor's
 steps in its first and second round (the first needs > 20 for ``thread_thrash``; the second gives
 ``first_step`` and a second sample of the steady step), memory-run steps and how many of them are the probe's unmeasured warm-up
-(quick: the one step is measured, AdamW's moments allocated in it), ``--data.seq_len``
-(``None``: the config's 256) and the codec / GEMM script arguments."""
+(quick: the one step is measured, AdamW's moments allocated in it), the precisions of the anchor's
+second round and of the memory runs (quick: fewer, to keep its test short; the others' figures
+read "not run"), ``--data.seq_len`` (``None``: the config's 256) and the codec / GEMM script
+arguments."""
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,10 +107,10 @@ def _script(name: str, extra: list[str], threads: int | None) -> dict[str, Any]:
 
 
 def _round(runner: training.Runner, runs: list[training.Run], width: int, processes: int, steps: int,
-           round_: int) -> float:
+           round_: int, precisions: tuple[str, ...] = training.PRECISIONS) -> float:
     """bf16, mxfp8, hif8 of one configuration back to back (reversed on odd rounds); returns the wall time."""
     start = time.perf_counter()
-    order = training.PRECISIONS if round_ % 2 == 0 else tuple(reversed(training.PRECISIONS))
+    order = precisions if round_ % 2 == 0 else tuple(reversed(precisions))
     for precision in order:
         run = runner.run("step", precision, width, processes, steps, round_)
         runs.append(run)
@@ -132,13 +134,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     forward_wall: dict[tuple[int, int], float] = {}
 
     for round_ in (0, 1):  # 1. the anchor, forward and reverse
-        _round(runner, runs, *anchor, cfg["anchor_steps"][round_], round_)
+        _round(runner, runs, *anchor, cfg["anchor_steps"][round_], round_,
+               training.PRECISIONS if round_ == 0 else cfg["second_round"])
     rounds[anchor] = 2
     for config in configs:  # 2. every other configuration once
         if config != anchor:
             forward_wall[config] = _round(runner, runs, *config, cfg["steps"][config[0]], 0)
             rounds[config] = 1
-    for precision in training.PRECISIONS:  # 3. memory and wire (2 processes)
+    for precision in cfg["memory_precisions"]:  # 3. memory and wire (2 processes)
         run = runner.run("memory", precision, min(widths), 2, cfg["memory_steps"], 0,
                          memory_warmup=cfg["memory_warmup"])
         runs.append(run)

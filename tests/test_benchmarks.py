@@ -90,15 +90,20 @@ def test_quick_suite_writes_every_figure_and_the_readme_table(tmp_path):
         assert (fig["met"] is None) == (fig["target"] is None), name
         if fig["met"] is False:
             assert isinstance(fig.get("account"), str) and fig["account"], name
-    for name in QUICK_FIGURES:  # measured in quick mode (the growth fit needs two widths; compile may be absent)
-        if not name.startswith(("step_time_growth/", "recompiles/")):
+    # Quick mode runs the second anchor round and the 2-process memory runs for mxfp8 (and bf16) only:
+    # every code path once, at the cost of 6 CLI runs instead of 9; hif8's figures there read "not run".
+    not_run = {"first_step/bf16", "first_step/hif8", "wire/hif8", "wire/hif8/reduce_scatter", "memory/hif8"}
+    for name in not_run:
+        assert figures[name]["value"] is None and figures[name]["met"] is False, name
+    for name in set(QUICK_FIGURES) - not_run:  # measured (the growth fit needs two widths)
+        if not name.startswith("step_time_growth/"):
             assert figures[name]["value"] is not None, name
-            assert figures[name]["baseline"] is not None or name == "suite/wall_time", name
-    for p in ("mxfp8", "hif8"):  # byte counts, not timings: the two wire baselines agree
-        detail = figures[f"wire/{p}"]["detail"]
-        assert detail["baseline_from_numel"] == figures[f"wire/{p}"]["baseline"]
-        assert detail["high_precision_gathers_of_replaced"] == 0 and detail["other_dtypes_equal"]
-    assert len(results["runs"]) == 9  # 2 rounds × 3 precisions + 3 memory runs
+            assert figures[name]["baseline"] is not None or name.startswith(("suite/", "recompiles/")), name
+    assert {figures[f"recompiles/{p}"]["value"] for p in ("bf16", "mxfp8", "hif8")} == {0}
+    detail = figures["wire/mxfp8"]["detail"]  # byte counts, not timings: the two wire baselines agree
+    assert detail["baseline_from_numel"] == figures["wire/mxfp8"]["baseline"]
+    assert detail["high_precision_gathers_of_replaced"] == 0 and detail["other_dtypes_equal"]
+    assert len(results["runs"]) == 6  # 3 precisions + mxfp8's second run + 2 memory runs
 
     block = markdown(results)
     text = readme.read_text()
