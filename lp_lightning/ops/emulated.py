@@ -37,7 +37,7 @@ size of the BF16 baseline's gathered weight) or FP32 (HiF8), freed when the GEMM
 Cost: decoding is O(M·K + K·N) element-wise work (compiled codec kernels) against the O(M·N·K)
 matmul; ``benchmarks/gemm.py`` measures it against BF16 and FP32 matmuls.
 
-Tensor-name legend: ``a_MK``/``b_KN`` decoded FP32 operand matrices after ``op()``, ``x_TK`` /
+Tensor-name legend: ``a_MK``/``b_KN`` decoded operand matrices after ``op()``, ``x_TK`` /
 ``dy_TN`` token-sorted rows, ``w_KN`` one group's weight, ``out_*`` results.
 """
 

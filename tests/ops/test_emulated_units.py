@@ -121,3 +121,19 @@ def test_autocast_does_not_change_the_output_dtype_or_the_units():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = low_precision_matmul(left, right, layout="NT", output_dtype=torch.float32)
     assert out.dtype == torch.float32 and torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("shape", [(1, 4096, 1), (3, 1000, 2), (64, 33, 5), (5, 2048, 700), (1, 65536, 1)])
+def test_torch_bf16_matmul_accumulates_in_fp32_and_rounds_once(shape):
+    # The assumption of the BF16-unit path, on the kernels torch picks for tiny, skinny and long-K
+    # shapes: products of E4M3 values summed in FP32 and rounded once (a BF16 partial sum would
+    # miss this bound by orders of magnitude at K = 65536).
+    m, k, n = shape
+
+    def e4m3_values(*size):
+        return (torch.randn(*size) * torch.exp2(torch.randint(-6, 7, size).float())).to(torch.float8_e4m3fn)
+
+    a, b = e4m3_values(m, k).to(torch.bfloat16), e4m3_values(k, n).to(torch.bfloat16)
+    for right in (b, b.t().contiguous().t()):
+        exact = a.double() @ right.double()
+        _assert_within_contract(a @ right, exact, a.double().abs() @ right.double().abs(), k)
