@@ -100,6 +100,8 @@ def test_quick_suite_writes_every_figure_and_the_readme_table(tmp_path):
             assert figures[name]["value"] is not None, name
             assert figures[name]["baseline"] is not None or name.startswith(("suite/", "recompiles/")), name
     assert {figures[f"recompiles/{p}"]["value"] for p in ("bf16", "mxfp8", "hif8")} == {0}
+    for p in ("mxfp8", "hif8"):  # the 8-bit runs really ran compiled codec kernels (bf16 compiles none)
+        assert all(run["compiled_graphs"] > 0 for run in figures[f"recompiles/{p}"]["detail"]["per_run"]), p
     detail = figures["wire/mxfp8"]["detail"]  # byte counts, not timings: the two wire baselines agree
     assert detail["baseline_from_numel"] == figures["wire/mxfp8"]["baseline"]
     assert detail["high_precision_gathers_of_replaced"] == 0 and detail["other_dtypes_equal"]

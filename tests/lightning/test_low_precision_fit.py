@@ -163,10 +163,10 @@ def test_fit_writes_the_low_precision_run_summary(runs, precision):
     assert len(gathers) == 2 * LOW_PRECISION_WEIGHTS  # step 0: one forward and one backward gather each
     assert all(dtype == "uint8" for e in gathers for dtype, _ in e["tensors"])
     assert summary["steps"] == STEPS and summary["loss_last"] < summary["loss_first"]
-    # The codec kernels compiled (once per input dtype) and nothing compiled after the first
-    # optimizer step, validation (no_grad) included: dynamo's graph counter, not a timing.
-    assert summary["compile"]["compiled_graphs"] > 0
-    assert summary["compile"]["recompiles_after_first_step"] == 0
+    # HighPrecisionGemmProbe runs the eager codec kernels (a dispatch mode cannot see inside a
+    # compiled graph), so nothing compiles here; the compiled runs' count is asserted in
+    # tests/test_benchmarks.py (both formats, through the CLI) and tests/lightning/test_recompiles.py.
+    assert summary["compile"] == {"compiled_graphs": 0, "recompiles_after_first_step": 0}
     imported = json.loads((Path(summary["root"]) / "probe" / "imported_rank0.json").read_text())
     assert "torch_npu" not in imported and "lp_lightning.tensor.weight" in imported
 

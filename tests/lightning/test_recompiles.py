@@ -8,7 +8,7 @@ kernel silently runs eagerly at a fraction of the speed. This is a count, not a 
 forward, activation recompute, backward, gradient accumulation, a no-grad evaluation forward and a
 batch of another shape, in MXFP8 (the format with four kernels whose guards once varied). Every
 ``lp-lightning fit`` reports the same count as ``compile.recompiles_after_first_step`` in
-``run_summary.json``; ``tests/lightning/test_low_precision_fit.py`` asserts it is 0 for both formats.
+``run_summary.json``; ``tests/test_benchmarks.py`` asserts it is 0 for both formats' CLI runs.
 """
 
 from __future__ import annotations
