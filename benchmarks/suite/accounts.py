@@ -35,6 +35,11 @@ ACCOUNTS: dict[str, str] = {
         "BF16 GEMM (oneDNN has the primitive, torch 2.13 does not expose it on CPU; CUDA has mm(out_dtype)), "
         "then the MXFP8 levers."
     ),
+    "first_step/bf16": (
+        "BF16 compiles nothing (run_summary compile.compiled_graphs 0): its first step (~1.2 s against ~0.39) "
+        "holds FSDP2's lazy initialisation and oneDNN's first primitive creation for every GEMM shape; not "
+        "profiled yet. The 8-bit runs add the kernel tracing below."
+    ),
     "first_step/*": (
         "A new process re-traces every codec kernel with dynamo and loads it from Inductor's on-disk cache "
         "(~1 s a graph on these cores, ~10 graphs for MXFP8: row/col casts per input dtype, decodes per output "
