@@ -103,7 +103,7 @@ from lp_lightning.distributed.checkpoint import (
     verify_dcp_checkpoint,
 )
 from lp_lightning.lightning.accelerator import npu_accelerator_error
-from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback, default_cpu_threads
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -420,7 +420,7 @@ class LPLightningCLI(LightningCLI):
         ):
             kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks, default_progress_bar()]
         if str(trainer_config.get("accelerator", "cpu")) == "cpu":
-            _default_cpu_threads()
+            default_cpu_threads()
         trainer = super().instantiate_trainer(**kwargs)
         # ``deterministic: true`` turns on torch's deterministic algorithms, which by default also
         # fill every new tensor with NaN so that a read of uninitialised memory shows up; nothing
@@ -431,28 +431,6 @@ class LPLightningCLI(LightningCLI):
 
         torch.utils.deterministic.fill_uninitialized_memory = False
         return trainer
-
-
-CPU_THREADS_DEFAULT = 1
-"""Intra-op threads per CPU process when ``OMP_NUM_THREADS`` is unset (docs/performance.md "Threads")."""
-
-
-def _default_cpu_threads() -> None:
-    """One intra-op thread per CPU process unless ``OMP_NUM_THREADS`` says otherwise.
-
-    With 2 threads on 2 cores, a step slowed 10-20x whenever anything else ran on the machine:
-    each of the thousands of small parallel regions of a step ends in an OpenMP barrier that waits
-    for a thread the OS has descheduled. One thread per process keeps steps flat and costs little
-    on these model sizes (docs/performance.md "Threads"). Set ``OMP_NUM_THREADS`` to choose;
-    the rank processes Lightning starts inherit the setting. Recorded in ``run_summary.json``.
-    """
-    import torch
-
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    os.environ["OMP_NUM_THREADS"] = str(CPU_THREADS_DEFAULT)
-    os.environ["LP_LIGHTNING_THREADS_DEFAULTED"] = "1"
-    torch.set_num_threads(CPU_THREADS_DEFAULT)
 
 
 def _is_rank_zero() -> bool:
