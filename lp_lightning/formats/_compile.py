@@ -43,6 +43,78 @@ def compiled_kernels_enabled() -> bool:
     return _enabled
 
 
+_cpu_compiler_ready = False
+
+
+def _isa_record_key() -> str:
+    """What the vector-ISA check depends on: torch, the interpreter, the CPU's flags, the compiler."""
+    import hashlib
+    import platform
+    import sys
+
+    from torch._inductor import cpp_builder
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    parts = [torch.__version__, torch.__file__, sys.executable, platform.machine(), flags,
+             str(cpp_builder.get_cpp_compiler())]  # fmt: skip
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _prepare_cpu_compiler() -> None:
+    """Check Inductor's CPU vector ISAs once per machine instead of once per process.
+
+    Before its first CPU compile, each process builds a test library per candidate ISA (AMX,
+    AVX-512 VNNI, AVX-512, AVX2) and ``dlopen``s it in a child Python: about 0.3 s a child, 3 s a
+    process (every ``fit`` rank). When every candidate the CPU's flags allow has passed once on
+    this machine (same torch, interpreter, CPU flags and compiler; recorded under Inductor's cache
+    dir), later processes set ``torch._inductor.config.cpp.vec_isa_ok = True``: the outcome of the
+    check, without the children. The first process checks as usual and sets it too, so every
+    process compiles under one config (one entry in Inductor's cache). A user's own
+    ``TORCHINDUCTOR_VEC_ISA_OK`` (or config value) is left alone, as is any machine where a
+    candidate fails or that is not x86. Errors here change nothing: Inductor checks as usual.
+    """
+    global _cpu_compiler_ready
+    if _cpu_compiler_ready:
+        return
+    _cpu_compiler_ready = True
+    import json
+    import os
+    import platform
+
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        record = os.path.join(cache_dir(), "lp_lightning", f"vec_isa_{_isa_record_key()}.json")
+        if os.path.isfile(record):
+            with open(record) as f:
+                if json.load(f).get("all_candidates_pass") is True:
+                    inductor_config.cpp.vec_isa_ok = True
+            return
+        cpu_flags = cpu_vec_isa.x86_isa_checker()
+        candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
+                      if all(flag in cpu_flags for flag in str(isa).split())]  # fmt: skip
+        passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # the per-process check
+        all_pass = bool(candidates) and passed == candidates
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        tmp = f"{record}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"all_candidates_pass": all_pass, "candidates": candidates, "passed": passed}, f)
+        os.replace(tmp, record)
+        if all_pass:
+            inductor_config.cpp.vec_isa_ok = True
+    except Exception:  # noqa: BLE001 - an optimisation only; Inductor's own check still runs
+        return
+
+
 def _call_form(arg: object) -> object:
     """A tensor argument as the compiled kernel sees it: detached, so not a view of anything.
 
@@ -95,6 +167,8 @@ def fused(fn: F | None = None, *, static_dims: dict[int, tuple[int, ...]] | None
         kernel = compiled.get(device)
         if kernel is None:
             with _lock:
+                if device == "cpu":
+                    _prepare_cpu_compiler()
                 kernel = compiled.setdefault(device, torch.compile(fn, dynamic=True))
         call_args = [_call_form(a) for a in args]
         for index, dims in static.items():

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lp_lightning.formats.amax import abs_max
 from lp_lightning.formats.spec import AmaxScope
 from lp_lightning.integration.weights import local_low_precision_weight
 from lp_lightning.tensor.storage import add_refresh_observer, total_refresh_count
@@ -191,10 +192,7 @@ def refresh_low_precision_weights(
 
 
 def _master_amax(weight: QuantizedWeightTensor) -> torch.Tensor:
-    master = weight.master
-    if master.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=master.device)
-    return master.detach().abs().amax().to(torch.float32)
+    return abs_max(weight.master)
 
 
 def refresh_count(param: torch.Tensor) -> int:

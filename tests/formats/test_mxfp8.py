@@ -352,6 +352,20 @@ def test_quantize_dual_equals_two_single_calls(shape):
         assert torch.equal(_bits8(d), _bits8(d1)) and torch.equal(_bits8(s), _bits8(s1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 64, 96), (3, 70, 45), (96, 64)])
+def test_quantize_dual_of_a_transposed_view_reads_it_in_place(shape, dtype):
+    # A grouped weight's w_EKN view of its w_ENK master: the in-place path (row blocks of x are col
+    # blocks of x.mT) must equal the reference bit for bit and return contiguous results.
+    x = _spread(shape, dtype).mT.contiguous().mT
+    assert not x.is_contiguous()
+    (rd, rs), (cd, cs) = mxfp8.quantize_dual(x)
+    for (d, s), orientation in (((rd, rs), "row"), ((cd, cs), "col")):
+        d1, s1 = _assert_matches_reference(x, orientation)
+        assert d.is_contiguous() and s.is_contiguous()
+        assert torch.equal(_bits8(d), _bits8(d1)) and torch.equal(_bits8(s), _bits8(s1))
+
+
 # ------------------------------------------------------------------------------------------
 # Grouped (MoE token-sorted)
 # ------------------------------------------------------------------------------------------

@@ -152,6 +152,19 @@ def test_hif8_grouped_weight_has_one_scale_per_leading_group():
     assert op.scale[0].item() == (w[0].abs().amax() / 15.0).item()
 
 
+@pytest.mark.parametrize("values", [False, True])
+def test_hif8_grouped_transposed_view_equals_its_contiguous_copy(values):
+    # A grouped weight's w_EKN view of its w_ENK master is encoded in place and its codes transposed.
+    w_ENK = torch.randn(3, 40, 24) * torch.exp2(torch.randint(-8, 8, (3, 40, 24)).float())
+    view = w_ENK.mT
+    dtype = torch.float32 if values else None
+    got = HIF8_15.quantize(view, orientation="col", values_dtype=dtype)
+    want = HIF8_15.quantize(view.contiguous(), orientation="col", values_dtype=dtype)
+    assert got.data.is_contiguous() and got.data.shape == view.shape
+    assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    assert (got.values is None) == (not values) and (not values or torch.equal(got.values, want.values))
+
+
 def test_hif8_one_data_serves_both_orientations():
     x = torch.randn(32, 40)
     row, col = HIF8_15.quantize_dual(x)

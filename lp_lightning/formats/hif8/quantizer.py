@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from lp_lightning.formats.amax import abs_max
 from lp_lightning.formats.hif8 import codec
 from lp_lightning.formats.hif8.spec import SPEC, HiF8Spec
 from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand
@@ -78,14 +79,7 @@ class HiF8Quantizer:
         Returns:
             ``torch.float32`` amax on ``tensor``'s device.
         """
-        x32 = tensor.detach().to(torch.float32)
-        if tensor.dim() == 3:
-            if x32.numel() == 0:
-                return torch.zeros(tensor.shape[0], dtype=torch.float32, device=tensor.device)
-            return x32.abs().amax(dim=(1, 2))
-        if x32.numel() == 0:
-            return torch.zeros((), dtype=torch.float32, device=tensor.device)
-        return x32.abs().amax()
+        return abs_max(tensor, per_group=tensor.dim() == 3)
 
     def scale_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """``amax / format_max`` in FP32 where that is finite and > 0, else 1.0 (docs/formats.md).
@@ -152,7 +146,13 @@ class HiF8Quantizer:
         scale = self.scale_from_amax(amax.to(tensor.device))
         values = None
         if tensor.dim() == 3:  # one scale per leading group
-            data = codec.encode(tensor.detach().to(torch.float32) / scale.reshape(-1, 1, 1))
+            x = tensor.detach()
+            transposed = not x.is_contiguous() and x.mT.is_contiguous()
+            if transposed:  # a grouped weight's w_EKN view of its w_ENK master: encode it in place
+                x = x.mT
+            data = codec.encode(x.to(torch.float32) / scale.reshape(-1, 1, 1))
+            if transposed:  # transpose the 1-byte codes, not the FP32 input
+                data = data.mT.contiguous()
             if values_dtype is not None:
                 values = codec.decode(data, torch.float32)
         else:

@@ -463,7 +463,8 @@ def quantize_dual(
     Bit-identical to ``(quantize(x, orientation="row"), quantize(x, orientation="col"))``. When
     ``x`` is contiguous with both trailing dims multiples of 32 (every weight in the recipe), both
     block kernels read the input in place with no copy or padding; otherwise each orientation pads
-    only its own dim.
+    only its own dim. A transposed view of a contiguous tensor (a grouped weight's ``w_EKN`` view
+    of its ``w_ENK`` master) is read in place too. The results are contiguous.
 
     Args:
         x: float32/bfloat16/float16 tensor with ≥ 2 dims (``w_NK`` or grouped ``w_EKN``).
@@ -476,6 +477,16 @@ def quantize_dual(
         ValueError: if ``x`` has fewer than 2 dims.
     """
     _check_input("mxfp8.quantize_dual", x, "col")
+    if x.numel() and not x.is_contiguous() and x.mT.is_contiguous():
+        # A transposed view (a grouped master ``w_ENK`` seen as ``w_EKN``): x's row blocks are the
+        # col blocks of the contiguous ``x.mT`` and vice versa, so quantize that in place and
+        # transpose the 1-byte results, instead of copying the FP32 input once per orientation.
+        x_t = x.mT
+        (row_t, row_scale_t), (col_t, col_scale_t) = quantize(x_t, orientation="col"), quantize(x_t, orientation="row")
+        return (
+            (row_t.mT.contiguous(), row_scale_t.mT.contiguous()),
+            (col_t.mT.contiguous(), col_scale_t.mT.contiguous()),
+        )
     return quantize(x, orientation="row"), quantize(x, orientation="col")
 
 
