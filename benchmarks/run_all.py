@@ -2,14 +2,16 @@
 
 Runs, in this order (``benchmarks/README.md`` "run_all.py" says how each figure is computed):
 
-1. the **anchor** configuration (smallest width, 1 process): ``lp-lightning fit`` in bf16, mxfp8,
-   hif8 back to back (30 steps: ``thread_thrash/*``), then again in reverse order with 12 steps (the
-   second run of each command gives ``first_step/*``; both give the step-time spread);
-2. every other (width, processes) configuration, bf16, mxfp8, hif8 back to back;
+1. every configuration but the anchor (smallest width, 1 process): ``lp-lightning fit`` in bf16,
+   mxfp8, hif8 back to back;
+2. the **anchor**, bf16, mxfp8, hif8 with 26 steps (``thread_thrash/*``). Each is the second run
+   of its precision on this machine in the suite (same kernels, torch's compile caches warm), so
+   its first step gives ``first_step/*``; a precision without an earlier run (quick mode: only the
+   anchor is timed) gets a short second anchor run instead;
 3. the memory runs: 2 processes, smallest width, bf16 / mxfp8 / hif8 with the TensorMemoryProbe
    (``memory/*``, ``wire/*``; the probe slows steps, so they are not timed);
 4. ``benchmarks/quantize.py`` (``codec/*``) and ``benchmarks/gemm.py`` (``gemm/*``) in subprocesses;
-5. while the time budget (``--budget-s``) allows, each other configuration's round again in reverse
+5. while the time budget (``--budget-s``) allows, each configuration's round again in reverse
    order (cheapest first), for a per-round spread.
 
 The suite's own wall time is a figure too (``suite/wall_time`` ≤ 900 s, issue 14's acceptance).
@@ -50,7 +52,7 @@ SUITE_LIMIT_S = 900.0
 MODES: dict[str, dict[str, Any]] = {
     "full": {
         "widths": [256, 512, 1024], "processes": [1, 2],
-        "steps": {256: 12, 512: 10, 1024: 8}, "anchor_steps": (30, 12), "memory_steps": 2, "memory_warmup": 1,
+        "steps": {256: 10, 512: 9, 1024: 8}, "anchor_steps": (26, 8), "memory_steps": 2, "memory_warmup": 1,
         "second_round": training.PRECISIONS, "memory_precisions": training.PRECISIONS, "seq_len": None,
         "quantize": ["--size", "4096", "--rounds", "20", "--warmup", "2"],
         "gemm": ["--m", "1024", "--k", "1024", "--n", "1024", "--tokens", "1024", "--experts", "8", "--rounds", "6"],
@@ -64,12 +66,15 @@ MODES: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 """Per mode: widths, process counts, optimizer steps per width (5 of them warm-up), the anchor's
-steps in its first and second round (the first needs > 20 for ``thread_thrash``; the second gives
-``first_step`` and a second sample of the steady step), memory-run steps and how many of them are the probe's unmeasured warm-up
-(quick: the one step is measured, AdamW's moments allocated in it), the precisions of the anchor's
-second round and of the memory runs (quick: fewer, to keep its test short; the others' figures
-read "not run"), ``--data.seq_len`` (``None``: the config's 256) and the codec / GEMM script
-arguments."""
+steps in its first round (> 20 for ``thread_thrash``) and in a second run of a precision that had
+no earlier run (``first_step``), memory-run steps and how many of them are the probe's unmeasured
+warm-up (quick: the one step is measured, AdamW's moments allocated in it), the precisions that may
+get that second anchor run and the precisions of the memory runs (quick: fewer, to keep its test
+short; the others' figures read "not run"), ``--data.seq_len`` (``None``: the config's 256) and the
+codec / GEMM script arguments."""
+
+REVERSE_ROUND_MARGIN = 1.3
+"""A reverse round is started only if ``MARGIN`` × its forward round's wall time still fits the budget."""
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,8 +88,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of the training runs and threads of the codec/GEMM scripts "
                              "(default: unset, the product's default)")
-    parser.add_argument("--budget-s", type=float, default=840.0,
-                        help="wall-time budget; the optional reverse rounds run only while it allows (default 840)")
+    parser.add_argument("--budget-s", type=float, default=780.0,
+                        help="wall-time budget; the optional reverse rounds run only while it allows (default 780)")
     parser.add_argument("--render-only", action="store_true", help="re-apply accounts and re-render, no runs")
     return parser.parse_args(argv)
 
@@ -133,14 +138,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rounds = {c: 0 for c in configs}
     forward_wall: dict[tuple[int, int], float] = {}
 
-    for round_ in (0, 1):  # 1. the anchor, forward and reverse
-        _round(runner, runs, *anchor, cfg["anchor_steps"][round_], round_,
-               training.PRECISIONS if round_ == 0 else cfg["second_round"])
-    rounds[anchor] = 2
-    for config in configs:  # 2. every other configuration once
+    for config in configs:  # 1. every other configuration once (warms the compile caches)
         if config != anchor:
             forward_wall[config] = _round(runner, runs, *config, cfg["steps"][config[0]], 0)
             rounds[config] = 1
+    _round(runner, runs, *anchor, cfg["anchor_steps"][0], 0)  # 2. the anchor
+    rounds[anchor] = 1
+    first_runs = [p for p in cfg["second_round"]
+                  if [r.precision for r in runs].count(p) == 1]  # the anchor was p's first run here
+    if first_runs:
+        _round(runner, runs, *anchor, cfg["anchor_steps"][1], 1, tuple(first_runs))
+        rounds[anchor] = 2
     for precision in cfg["memory_precisions"]:  # 3. memory and wire (2 processes)
         run = runner.run("memory", precision, min(widths), 2, cfg["memory_steps"], 0,
                          memory_warmup=cfg["memory_warmup"])
@@ -153,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         _log(f"{name}.py: {time.perf_counter() - t0:.0f} s")
     skipped = []
     for config in sorted(forward_wall, key=forward_wall.get):  # 5. reverse rounds while the budget allows
-        if time.perf_counter() - start + forward_wall[config] > args.budget_s:
+        if time.perf_counter() - start + REVERSE_ROUND_MARGIN * forward_wall[config] > args.budget_s:
             skipped.append(list(config))
             continue
         _round(runner, runs, *config, cfg["steps"][config[0]], 1)
