@@ -19,21 +19,22 @@ from typing import Any
 
 ACCOUNTS: dict[str, str] = {
     "step_time/mxfp8/*": (
-        "cProfile of steps 15-30 (w256, 1 process, 1 thread; docs/performance.md): on top of the BF16 work a "
-        "step spends ~140 ms in the compiled codec kernels (2 casts of every activation and gradient, 4 decodes "
-        "per layer, ~256 calls), ~0.1-0.4 ms of torch.compile call overhead per call, ~70 ms in the weight "
-        "refresh (dual cast of 25 FP32 masters) and GEMMs now at BF16 speed (exact: BF16 units with FP32 "
-        "accumulation). Closing it: one kernel for the row+col casts and for the refresh, AOTInductor kernels "
-        "instead of torch.compile (call overhead), decoded weights reused between fprop and dgrad."
+        "cProfile of 4 steady steps at width 1024 (1 process, 1 thread, quiet; docs/performance.md): 2.73 s a step "
+        "against bf16's 1.39. The compiled codec kernels take 0.87 s of it (1,024 calls: the refresh's dual cast of "
+        "every FP32 master, the weight decode of every GEMM, row and col casts of each activation and gradient) "
+        "plus 0.13 s of torch.compile call overhead; the GEMMs, on BF16 units, 0.39 s. At width 256 the ~0.1-0.2 ms "
+        "overhead of each of ~256 calls a step weighs more. Closing it: one kernel for the row+col casts and for "
+        "the refresh, AOTInductor kernels instead of torch.compile (call overhead), decoded weights reused between "
+        "fprop and dgrad."
     ),
     "step_time/hif8/*": (
-        "cProfile of steps 15-30 (w256, 1 process, 1 thread): the GEMMs must stay IEEE FP32 (the per-tensor "
-        "scales multiply the FP32 product before the one rounding, and no CPU BF16 GEMM returns FP32; oneDNN's "
-        "fp32_precision=bf16 measured 250x over the FP32 accumulation bound): ~140 ms/step against the BF16 "
-        "GEMMs' ~40; encode ~75 ms (TA rounding is ~25 integer ops per element), decode of weights and saved "
-        "inputs ~60, amax ~35, refresh ~55. The FP32 GEMM share grows with width. Closing it: an FP32-output "
-        "BF16 GEMM (oneDNN has the primitive, torch 2.13 does not expose it on CPU; CUDA has mm(out_dtype)), "
-        "then the MXFP8 levers."
+        "cProfile of 4 steady steps at width 1024 (1 process, 1 thread, quiet): 3.89 s a step against bf16's 1.39. "
+        "The GEMMs take 1.5 s (MXFP8's take 0.39): they must stay IEEE FP32, because the per-tensor scales "
+        "multiply the FP32 product before the one rounding and no CPU BF16 GEMM returns FP32 (oneDNN's "
+        "fp32_precision=bf16 measured 250x over the FP32 accumulation bound). Codec kernels 0.67 s, amax 0.14 s. "
+        "The FP32 GEMM share grows with width; at width 256 the ratio is met. Closing it: an FP32-output BF16 GEMM "
+        "(oneDNN has the primitive, torch 2.13 does not expose it on CPU; CUDA has mm(out_dtype)), then the "
+        "MXFP8 levers."
     ),
     "first_step/bf16": (
         "BF16 compiles nothing (run_summary compile.compiled_graphs 0): its first step (~1.2 s against ~0.39) "
@@ -41,10 +42,12 @@ ACCOUNTS: dict[str, str] = {
         "profiled yet. The 8-bit runs add the kernel tracing below."
     ),
     "first_step/*": (
-        "A new process re-traces every codec kernel with dynamo and loads it from Inductor's on-disk cache "
-        "(~1 s a graph on these cores, ~10 graphs for MXFP8: row/col casts per input dtype, decodes per output "
-        "dtype); the C++ compile itself is cached (40-50 s cold). torch._dynamo.config.caching_precompile did "
-        "not shorten it here. Closing it: AOTInductor packages of the kernels (no tracing at start-up)."
+        "The anchor run follows runs of the same kernels, so Inductor's on-disk cache is warm (the C++ compile, "
+        "40-50 s cold, is not in it). A new process still imports Inductor (~2.2 s) and traces each codec kernel "
+        "with dynamo, 0.5-2.5 s a graph with symbolic shapes (sympy), ~10 graphs for MXFP8 (row/col casts per "
+        "input dtype, decodes), fewer for HiF8; Inductor's vector-ISA check (~3 s) is now once per machine. "
+        "torch._dynamo.config.caching_precompile did not shorten the tracing. Closing it: AOTInductor packages of "
+        "the kernels (no tracing at start-up)."
     ),
     "codec/mxfp8_dual_vs_clone": (
         "Dual-axis MXFP8 of a 4096x4096 BF16 tensor reads it twice (row and col kernels) and the col kernel "
