@@ -138,7 +138,10 @@ def test_a_signal_stops_st_and_every_fit_process_it_started(tmp_path, sig, code,
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "lp_lightning.cli", "st", "--out", str(out), "--rows", "[Q3-01]", "--cases",
                "[bf16]", "--devices", "2", *QUICK]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A shell started without job control (CI runners, `cmd &`) gives its background jobs SIGINT
+    # ignored, and a Python started that way keeps ignoring it: give st the default, as a terminal would.
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run = str(out / "runs" / "main" / "bf16")
     deadline = time.monotonic() + 240
     while len(_processes_naming(run)) < ranks:  # SIGTERM: wait for the launcher and the rank it started
