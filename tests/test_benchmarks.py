@@ -66,6 +66,11 @@ def test_insert_between_markers(tmp_path):
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="results:begin"):
         insert_between_markers(readme, "new\n")
+    # Prose naming the markers (benchmarks/README.md does) is not where the table goes.
+    prose = f"each between the `{MARK_BEGIN}` / `{MARK_END}` markers.\n"
+    readme.write_text(f"{prose}## Results\n{MARK_BEGIN}\nold\n{MARK_END}\ntail\n")
+    insert_between_markers(readme, "new\n")
+    assert readme.read_text() == f"{prose}## Results\n{MARK_BEGIN}\nnew\n{MARK_END}\ntail\n"
 
 
 @pytest.mark.slow

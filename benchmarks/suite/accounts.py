@@ -32,7 +32,9 @@ ACCOUNTS: dict[str, str] = {
         "The GEMMs take 1.5 s (MXFP8's take 0.39): they must stay IEEE FP32, because the per-tensor scales "
         "multiply the FP32 product before the one rounding and no CPU BF16 GEMM returns FP32 (oneDNN's "
         "fp32_precision=bf16 measured 250x over the FP32 accumulation bound). Codec kernels 0.67 s, amax 0.14 s. "
-        "The FP32 GEMM share grows with width; at width 256 the ratio is met. Closing it: an FP32-output BF16 GEMM "
+        "The FP32 GEMM share grows with width (at width 256 with 1 process the ratio is met; with 2, each rank "
+        "multiplies half the tokens but still decodes every gathered weight in full, so the weight-side work "
+        "weighs twice as much). Closing it: an FP32-output BF16 GEMM "
         "(oneDNN has the primitive, torch 2.13 does not expose it on CPU; CUDA has mm(out_dtype)), then the "
         "MXFP8 levers."
     ),
@@ -44,8 +46,8 @@ ACCOUNTS: dict[str, str] = {
     "first_step/*": (
         "The anchor run follows runs of the same kernels, so Inductor's on-disk cache is warm (the C++ compile, "
         "40-50 s cold, is not in it). A new process still imports Inductor (~2.2 s) and traces each codec kernel "
-        "with dynamo, 0.5-2.5 s a graph with symbolic shapes (sympy), ~10 graphs for MXFP8 (row/col casts per "
-        "input dtype, decodes), fewer for HiF8; Inductor's vector-ISA check (~3 s) is now once per machine. "
+        "with dynamo, 0.5-2.5 s a graph with symbolic shapes (sympy): 8 graphs in a default MXFP8 run (row/col "
+        "casts per input dtype, decodes), 3 in HiF8; Inductor's vector-ISA check (~3 s) is now once per machine. "
         "torch._dynamo.config.caching_precompile did not shorten the tracing. Closing it: AOTInductor packages of "
         "the kernels (no tracing at start-up)."
     ),

@@ -8,6 +8,7 @@ it into a README between ``<!-- results:begin -->`` and ``<!-- results:end -->``
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -111,17 +112,20 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def insert_between_markers(readme: Path, block: str) -> None:
-    """Replaces the text between :data:`MARK_BEGIN` and :data:`MARK_END` of ``readme`` with ``block``.
+    """Replaces the text between the :data:`MARK_BEGIN` and :data:`MARK_END` lines of ``readme`` with ``block``.
+
+    Only markers alone on their line count: prose that names them (in backticks) is left alone.
 
     Raises:
         ValueError: ``readme`` lacks one of the two marker lines, or has them in the wrong order.
     """
     text = readme.read_text()
-    begin, end = text.find(MARK_BEGIN), text.find(MARK_END)
-    if begin < 0 or end < begin:
+    begin = re.search(rf"^{re.escape(MARK_BEGIN)}\n", text, re.MULTILINE)
+    end = re.search(rf"^{re.escape(MARK_END)}$", text[begin.end():], re.MULTILINE) if begin else None
+    if begin is None or end is None:
         raise ValueError(f"{readme}: needs a {MARK_BEGIN!r} line followed by a {MARK_END!r} line where the "
                          "results table belongs; add them.")
-    readme.write_text(f"{text[:begin]}{MARK_BEGIN}\n{block}{text[end:]}")
+    readme.write_text(f"{text[:begin.end()]}{block}{text[begin.end() + end.start():]}")
 
 
 def write_results(path: Path, results: dict[str, Any]) -> None:

@@ -87,8 +87,8 @@ def local_amax(tensor: torch.Tensor) -> torch.Tensor:
     local = local.detach()
     if local.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=local.device)
-    low, high = torch.aminmax(local)  # one read, no |x| temporary; max(-min, max) is exact
-    return torch.maximum(high, low.neg()).to(torch.float32)
+    low, high = torch.aminmax(local)  # one read, no |x| temporary; |max(-min, max)| is exact (as formats.amax)
+    return torch.maximum(high, low.neg()).abs().to(torch.float32)
 
 
 def flatten_state(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, torch.Tensor]]:

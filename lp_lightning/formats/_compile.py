@@ -72,8 +72,9 @@ def _prepare_cpu_compiler() -> None:
     process (every ``fit`` rank). When every candidate the CPU's flags allow has passed once on
     this machine (same torch, interpreter, CPU flags and compiler; recorded under Inductor's cache
     dir), later processes set ``torch._inductor.config.cpp.vec_isa_ok = True``: the outcome of the
-    check, without the children. The first process checks as usual and sets it too, so every
-    process compiles under one config (one entry in Inductor's cache). A user's own
+    check, without the children. The first process checks as usual and sets it too (also when the
+    record cannot be written), so every process compiles under one config (one entry in
+    Inductor's cache); an unreadable record is checked and written again. A user's own
     ``TORCHINDUCTOR_VEC_ISA_OK`` (or config value) is left alone, as is any machine where a
     candidate fails or that is not x86. Errors here change nothing: Inductor checks as usual.
     """
@@ -94,23 +95,27 @@ def _prepare_cpu_compiler() -> None:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         record = os.path.join(cache_dir(), "lp_lightning", f"vec_isa_{_isa_record_key()}.json")
-        if os.path.isfile(record):
+        try:
             with open(record) as f:
-                if json.load(f).get("all_candidates_pass") is True:
-                    inductor_config.cpp.vec_isa_ok = True
+                saved = json.load(f)
+        except (OSError, ValueError):
+            saved = None  # none yet, or unreadable: check and (re)write it
+        if isinstance(saved, dict) and isinstance(saved.get("all_candidates_pass"), bool):
+            if saved["all_candidates_pass"]:
+                inductor_config.cpp.vec_isa_ok = True
             return
         cpu_flags = cpu_vec_isa.x86_isa_checker()
         candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
                       if all(flag in cpu_flags for flag in str(isa).split())]  # fmt: skip
         passed = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]  # the per-process check
         all_pass = bool(candidates) and passed == candidates
+        if all_pass:
+            inductor_config.cpp.vec_isa_ok = True
         os.makedirs(os.path.dirname(record), exist_ok=True)
         tmp = f"{record}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             json.dump({"all_candidates_pass": all_pass, "candidates": candidates, "passed": passed}, f)
         os.replace(tmp, record)
-        if all_pass:
-            inductor_config.cpp.vec_isa_ok = True
     except Exception:  # noqa: BLE001 - an optimisation only; Inductor's own check still runs
         return
 
@@ -138,7 +143,7 @@ def fused(fn: F | None = None, *, static_dims: dict[int, tuple[int, ...]] | None
     One compiled graph serves every shape: sizes are symbolic, tensor arguments are passed
     detached (``_call_form``), and grad mode and autocast are fixed. What remains in the guards is
     the dtype of each tensor and any non-tensor argument, so a kernel compiles once per input
-    dtype (docs/architecture.md "Compiled kernels"; ``tests/formats/test_recompiles.py`` counts
+    dtype (docs/architecture.md "Compiled kernels"; ``tests/lightning/test_recompiles.py`` counts
     recompiles). Two unrelated sizes that happen to be equal in the first call share a symbol
     ("duck" sizing) and cost one more compile when they first differ; a storage offset of 0 vs
     not 0 (a group of a grouped weight) is another such one-off.

@@ -32,6 +32,24 @@ def test_abs_max_propagates_non_finite_values_like_amax(value):
     assert (math.isnan(whole) and math.isnan(value)) or whole == math.inf
 
 
+def test_abs_max_matches_the_bits_of_abs_then_amax_for_signed_zeros_and_nan():
+    for x in (torch.tensor([-0.0, -0.0]), torch.tensor([1.0, -float("nan")])):
+        got, want = abs_max(x), x.abs().amax()
+        assert got.view(torch.int32) == want.view(torch.int32)
+    groups = torch.tensor([[-0.0, -0.0], [2.0, -3.0]])
+    assert torch.equal(abs_max(groups, per_group=True).view(torch.int32), groups.abs().amax(dim=1).view(torch.int32))
+
+
+def test_abs_max_per_group_of_a_2d_view_reduces_each_row():
+    x = torch.randn(7, 5).mT  # 5 groups of 7
+    assert torch.equal(abs_max(x, per_group=True), x.abs().amax(dim=1))
+
+
+def test_abs_max_refuses_integers():
+    with pytest.raises(TypeError, match="floating point"):
+        abs_max(torch.tensor([-128, 5], dtype=torch.int8))
+
+
 def test_abs_max_of_empty_tensors_is_zero():
     assert torch.equal(abs_max(torch.empty(0, 4)), torch.zeros(()))
     assert torch.equal(abs_max(torch.empty(2, 0, 4), per_group=True), torch.zeros(2))

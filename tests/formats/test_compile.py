@@ -97,3 +97,19 @@ def test_a_users_vector_isa_setting_is_left_alone(isa_check, tmp_path):
     cpp.vec_isa_ok = False
     assert run() == {}
     assert cpp.vec_isa_ok is False and not (tmp_path / "lp_lightning").exists()
+
+
+def test_an_unreadable_vector_isa_record_is_checked_and_written_again(isa_check, monkeypatch, tmp_path):
+    from torch._inductor import cpu_vec_isa
+
+    run, cpp = isa_check
+    isas = [i for i in cpu_vec_isa.supported_vec_isa_list[-2:]]
+    flags = sorted({flag for isa in isas for flag in str(isa).split()})
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: flags)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: isas)
+    run()
+    (record,) = (tmp_path / "lp_lightning").glob("vec_isa_*.json")
+    record.write_text("{not json")
+    cpp.vec_isa_ok = None
+    assert run()["all_candidates_pass"] is True and cpp.vec_isa_ok is True
+

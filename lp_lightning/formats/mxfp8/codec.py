@@ -464,7 +464,7 @@ def quantize_dual(
     ``x`` is contiguous with both trailing dims multiples of 32 (every weight in the recipe), both
     block kernels read the input in place with no copy or padding; otherwise each orientation pads
     only its own dim. A transposed view of a contiguous tensor (a grouped weight's ``w_EKN`` view
-    of its ``w_ENK`` master) is read in place too. The results are contiguous.
+    of its ``w_ENK`` master) is read in place too, and its results are made contiguous.
 
     Args:
         x: float32/bfloat16/float16 tensor with ≥ 2 dims (``w_NK`` or grouped ``w_EKN``).
