@@ -247,12 +247,18 @@ class LowPrecisionConfig:
             return PrecisionName.BF16
         return PrecisionName(format_entry(self.format).precision)
 
-    def to_policy(self) -> LowPrecisionPolicy:
-        """Return the read-only policy handed to the replacement plan and its factories (design spec §4.2)."""
+    def to_policy(self, backend: str = "auto") -> LowPrecisionPolicy:
+        """Return the read-only policy handed to the replacement plan and its factories (design spec §4.2).
+
+        Args:
+            backend: The op backend the run's recipe carries (the startup gate's choice, e.g.
+                ``"emulated"``); ``"auto"`` picks by the operands' device (``lp_lightning.ops.backend``).
+        """
         return LowPrecisionPolicy(
             enabled=self.enabled,
             format=LowPrecisionFormat(self.format),
             scaling=ScalingAlgorithm(self.scaling),
+            backend=backend,
         )
 
 
@@ -269,17 +275,23 @@ class LowPrecisionPolicy:
         enabled: Whether low precision is on (see :class:`LowPrecisionConfig`).
         format: Element format.
         scaling: Scaling algorithm.
+        backend: The op backend of the run's quantisations and GEMMs: the factories build the
+            modules and weights with ``recipe_for(format, backend)``, so the choice travels with
+            them (``"auto"``: by the operands' device; a name is checked on the first op call).
 
     Raises:
-        TypeError: ``enabled`` is not a bool.
+        TypeError: ``enabled`` is not a bool, or ``backend`` not a non-empty string.
         ValueError: the (format, scaling) pair is not one of :data:`LEGAL_PAIRS`.
     """
 
     enabled: bool
     format: LowPrecisionFormat
     scaling: ScalingAlgorithm
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise TypeError(f"LowPrecisionPolicy.backend must be an op backend name, got {self.backend!r}.")
         fmt, scl, _ = _validate("LowPrecisionPolicy", self.enabled, self.format, self.scaling)
         object.__setattr__(self, "format", fmt)
         object.__setattr__(self, "scaling", scl)
@@ -288,6 +300,13 @@ class LowPrecisionPolicy:
     def recipe_name(self) -> RecipeName:
         """The recipe the (format, scaling) pair selects, e.g. ``RecipeName.HIF8_CURRENT``."""
         return LEGAL_PAIRS[(self.format, self.scaling)]
+
+    @property
+    def precision_name(self) -> PrecisionName:
+        """The ``--precision`` value of this policy (``bf16`` when disabled)."""
+        if not self.enabled:
+            return PrecisionName.BF16
+        return PrecisionName(format_entry(self.format).precision)
 
     @classmethod
     def disabled(cls) -> LowPrecisionPolicy:

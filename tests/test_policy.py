@@ -60,8 +60,9 @@ def test_legal_pairs_build_read_only_policy(fmt, scaling, recipe, enabled):
 
 
 def test_policy_carries_no_format_constants():
-    # Format maxima (15/224/448) and block sizes live in the recipe (design spec §7.1, §13.3).
-    assert [f.name for f in dataclasses.fields(LowPrecisionPolicy)] == ["enabled", "format", "scaling"]
+    # Format maxima (15/224/448) and block sizes live in the recipe (design spec §7.1, §13.3); the policy
+    # carries the run's choice only: format, scaling and the op backend the recipes are built for.
+    assert [f.name for f in dataclasses.fields(LowPrecisionPolicy)] == ["enabled", "format", "scaling", "backend"]
     assert [f.name for f in dataclasses.fields(LowPrecisionConfig)] == ["enabled", "format", "scaling"]
     assert set(LEGAL_PAIRS.values()) == set(RecipeName)
 

@@ -60,7 +60,7 @@ measures 31.5 dB, the working value for m = 3: **≈ 31.5 dB (m = 3), 25.5 dB (m
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from types import MappingProxyType
 from typing import Literal
@@ -94,17 +94,26 @@ class LowPrecisionRecipe:
             registered name is converted).
         scaling: The format's scaling algorithm (``"mx_block"``, ``"current"``).
         quantizers: One ``Quantizer`` per ``QuantizationRole`` (all five); stored read-only.
+        backend: The op backend that runs this recipe's quantisations and GEMMs (``"emulated"``,
+            ``"npu"``), chosen when the run is configured (the startup gate); ``"auto"`` (the
+            format's v1 recipe) picks by the operands' device (``lp_lightning.ops.backend``). The
+            recipe, the modules and the weights built with it carry the choice: there is no
+            process-wide backend. Get a recipe with another backend from :func:`recipe_for`.
 
     Raises:
-        ValueError: if a role is missing or a quantizer produces another format.
+        ValueError: if a role is missing, a quantizer produces another format, or ``backend`` is
+            not a non-empty string.
     """
 
     name: str
     format: FormatSpec
     scaling: str
     quantizers: Mapping[QuantizationRole, Quantizer] = field(repr=False)
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"LowPrecisionRecipe {self.name!r}: backend must be an op backend name, got {self.backend!r}.")
         fmt = as_spec(self.format)
         object.__setattr__(self, "format", fmt)
         quantizers = {QuantizationRole.parse(role): q for role, q in self.quantizers.items()}
@@ -128,23 +137,36 @@ class LowPrecisionRecipe:
 
     def __repr__(self) -> str:
         roles = ", ".join(f"{role.value}={q!r}" for role, q in self.quantizers.items())
-        return f"LowPrecisionRecipe({self.name!r}, {self.format.name}+{self.scaling}: {roles})"
+        backend = "" if self.backend == "auto" else f", backend {self.backend}"
+        return f"LowPrecisionRecipe({self.name!r}, {self.format.name}+{self.scaling}{backend}: {roles})"
 
 
-def recipe_for(format: FormatSpec | str) -> LowPrecisionRecipe:
-    """The v1 recipe of a format.
+_WITH_BACKEND: dict[tuple[str, str], LowPrecisionRecipe] = {}
+
+
+def recipe_for(format: FormatSpec | str, backend: str = "auto") -> LowPrecisionRecipe:
+    """The v1 recipe of a format, run by ``backend``.
 
     Args:
         format: A ``FormatSpec`` or a registered format name (``"mxfp8_e4m3"``, ``"hif8"``; a
             ``str``-valued Enum member works too).
+        backend: The op backend name the recipe carries (:attr:`LowPrecisionRecipe.backend`);
+            checked by the op entry points on first use.
 
     Returns:
-        The format's recipe (e.g. ``MXFP8_E4M3_MX_BLOCK``, ``HIF8_CURRENT``).
+        The format's recipe (e.g. ``MXFP8_E4M3_MX_BLOCK``, ``HIF8_CURRENT``) for ``"auto"``, else
+        one shared copy of it per backend (the same object on every call).
 
     Raises:
         ValueError: for an unknown format, naming the legal values.
     """
-    return as_spec(format).recipe
+    recipe = as_spec(format).recipe
+    if backend == recipe.backend:
+        return recipe
+    key = (recipe.name, backend)
+    if key not in _WITH_BACKEND:
+        _WITH_BACKEND[key] = replace(recipe, backend=backend)
+    return _WITH_BACKEND[key]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def _grouped_linear_forward(
             group_list_E,
             layout="NN",
             output_dtype=output_dtype,
+            backend=recipe.backend,
         )
     return y_TN, (a_ops[1] if need_dweight else None)
 
@@ -180,12 +181,13 @@ def _grouped_linear_backward(
                 group_list_E,
                 layout="NT",
                 output_dtype=dinput_dtype,
+                backend=recipe.backend,
             )
     if need_dweight:
         assert input_col is not None, f"forward saves the INPUT_BWD operand of {name}'s input whenever it needs a gradient"
         with gemm_role(GemmRole.GROUPED_WGRAD, weight_fqn=fqn):
             d_weight_EKN = low_precision_grouped_matmul(
-                input_col, dy_ops.pop(0), group_list_E, layout="TN", output_dtype=weight.dtype
+                input_col, dy_ops.pop(0), group_list_E, layout="TN", output_dtype=weight.dtype, backend=recipe.backend
             )
         d_weight = d_weight_EKN.transpose(-2, -1).contiguous()
     return d_input, d_weight

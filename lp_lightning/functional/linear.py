@@ -137,7 +137,7 @@ def quantize_for_gemms(
     bit-identical to quantizing again, because the quantizer is a pure function of the tensor.
 
     Args:
-        recipe: The recipe whose per-role quantizers are used.
+        recipe: The recipe whose per-role quantizers are used, on its backend.
         tensor: High-precision 2-D tensor, e.g. ``x_MK``, ``dy_MN``, token-sorted ``x_TK``.
         requests: ``(role, orientation)`` pairs, one per operand wanted.
         group_list: ``int64 [E]`` per-group row counts of a token-sorted tensor (grouped GEMMs);
@@ -156,7 +156,7 @@ def quantize_for_gemms(
         if key not in done:
             done[key] = quantize(
                 quantizer, tensor, orientation=orientation, group_list=group_list, role=role.value,
-                weight_fqn=weight_fqn,
+                weight_fqn=weight_fqn, backend=recipe.backend,
             )
         operands.append(done[key].with_orientation(orientation))
     return tuple(operands)
@@ -253,7 +253,8 @@ class _LowPrecisionLinearFunction(torch.autograd.Function):
             gemm_dtype = torch.float32 if bias is not None else output_dtype
             with gemm_role(GemmRole.DENSE_FPROP, weight_fqn=fqn):
                 y_MN = low_precision_matmul(
-                    x_ops[0], select_weight(weight, "row", who=who), layout="NT", output_dtype=gemm_dtype
+                    x_ops[0], select_weight(weight, "row", who=who), layout="NT", output_dtype=gemm_dtype,
+                    backend=recipe.backend,
                 )
             if bias is not None:
                 y_MN = (y_MN + bias.to(torch.float32)).to(output_dtype)
@@ -291,14 +292,17 @@ class _LowPrecisionLinearFunction(torch.autograd.Function):
             if need_dx:
                 with gemm_role(GemmRole.DENSE_DGRAD, weight_fqn=fqn):
                     dx_MK = low_precision_matmul(
-                        dy_ops.pop(0), select_weight(weight, "col", who=who), layout="NN", output_dtype=ctx.x_dtype
+                        dy_ops.pop(0), select_weight(weight, "col", who=who), layout="NN", output_dtype=ctx.x_dtype,
+                        backend=ctx.recipe.backend,
                     )
                 dx = dx_MK.reshape(ctx.x_shape)
             if need_dw:
                 assert ctx.x_meta is not None, "forward saves the INPUT_BWD operand whenever dw is needed"
                 x_col = unpack_operand(iter(rest), ctx.x_meta)
                 with gemm_role(GemmRole.DENSE_WGRAD, weight_fqn=fqn):
-                    dw = low_precision_matmul(dy_ops.pop(0), x_col, layout="TN", output_dtype=weight.dtype)
+                    dw = low_precision_matmul(
+                        dy_ops.pop(0), x_col, layout="TN", output_dtype=weight.dtype, backend=ctx.recipe.backend
+                    )
             if need_db and ctx.has_bias:
                 db = dy_MN.to(torch.float32).sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None

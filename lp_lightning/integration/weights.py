@@ -270,7 +270,7 @@ def _resolve_recipe(recipe: Any) -> LowPrecisionRecipe:
         )
     if getattr(recipe, "enabled", True) is False:
         raise ValueError("finalize_low_precision_weights: the policy has enabled=False; nothing is low precision.")
-    return recipe_for(getattr(fmt, "value", fmt))
+    return recipe_for(getattr(fmt, "value", fmt), backend=getattr(recipe, "backend", "auto"))
 
 
 def iter_low_precision_weights(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -188,7 +188,7 @@ def replace_low_precision_linear(source: nn.Linear, *, fqn: str, policy: LowPrec
         source: An exact ``torch.nn.Linear`` (``type(source) is nn.Linear``).
         fqn: The module's fully qualified name, e.g. ``"model.layers.0.self_attn.q_proj"``.
         policy: An enabled ``LowPrecisionPolicy``; its ``format`` picks the recipe
-            (``recipe_for(policy.format)``).
+            (``recipe_for(policy.format, policy.backend)``).
 
     Returns:
         The new ``LowPrecisionLinear`` (same ``training`` flag).
@@ -199,6 +199,6 @@ def replace_low_precision_linear(source: nn.Linear, *, fqn: str, policy: LowPrec
         ValueError: for an empty ``fqn`` or a disabled policy.
     """
     check_factory_arguments("replace_low_precision_linear", source, nn.Linear, fqn, policy)
-    module = LowPrecisionLinear.from_linear(source, fqn=fqn, recipe=recipe_for(policy.format))
+    module = LowPrecisionLinear.from_linear(source, fqn=fqn, recipe=recipe_for(policy.format, policy.backend))
     module.policy = policy
     return module

@@ -26,7 +26,6 @@ from lp_lightning.ops.backend import (
     get_backend,
     register_backend,
     resolve_backend,
-    set_backend,
     use_backend,
 )
 from lp_lightning.ops.trace import (
@@ -67,6 +66,5 @@ __all__ = [
     "record_quantizes",
     "register_backend",
     "resolve_backend",
-    "set_backend",
     "use_backend",
 ]

@@ -5,8 +5,11 @@ object that implements :class:`Backend`: quantize, dual quantize, dense GEMM, gr
 capability check. Backends are registered by name with the module attribute that holds them and
 are imported on first use, so ``import lp_lightning.ops`` never imports ``torch_npu``.
 
-Choice (:func:`resolve_backend`), innermost first: ``backend=`` of a call, :func:`use_backend`,
-:func:`set_backend` (default ``"auto"``):
+Choice (:func:`resolve_backend`): ``backend=`` of a call — a run's recipe carries it
+(``LowPrecisionRecipe.backend``, chosen by the startup gate when the run is configured), so every
+quantisation and GEMM of the run passes it — else the innermost :func:`use_backend` block (a scoped
+choice for direct op calls in tests and benchmarks), else ``"auto"``. There is no process-wide
+selection:
 
 - ``"emulated"`` / ``"npu"`` (any registered name): that backend; its capability check must pass
   for the format, else :class:`LowPrecisionUnsupportedError` names what is missing.
@@ -49,7 +52,6 @@ __all__ = [
     "parse_backend_name",
     "register_backend",
     "resolve_backend",
-    "set_backend",
     "use_backend",
 ]
 
@@ -213,33 +215,21 @@ def get_backend_impl(name: str) -> Backend:
     return backend
 
 
-_global_backend: str = AUTO
 _scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("lp_lightning_gemm_backend", default=None)
 
 
-def set_backend(name: BackendName) -> None:
-    """Select the backend for this process (default ``"auto"``).
-
-    Args:
-        name: ``"auto"`` or a registered name. Selecting ``"npu"`` imports nothing yet; the first
-            call with a format runs its capability check.
-
-    Raises:
-        ValueError: for an unknown name.
-    """
-    global _global_backend
-    _global_backend = parse_backend_name(name, "set_backend")
-
-
 def get_backend() -> BackendName:
-    """The backend name in force here: the innermost ``use_backend``, else ``set_backend``'s."""
+    """The backend name a call without ``backend=`` uses: the innermost :func:`use_backend`, else ``"auto"``."""
     scoped = _scoped_backend.get()
-    return scoped if scoped is not None else _global_backend
+    return scoped if scoped is not None else AUTO
 
 
 @contextlib.contextmanager
 def use_backend(name: BackendName) -> Iterator[BackendName]:
-    """Select a backend for the calls made inside the block (context-local; nests).
+    """Select a backend for the op calls inside the block that pass no ``backend=`` (context-local; nests).
+
+    A run never needs it: its recipe names the backend. Tests and benchmarks use it to send direct
+    op calls (and recipes with backend ``"auto"``) to one backend.
 
     Raises:
         ValueError: for an unknown name.
@@ -257,7 +247,8 @@ def resolve_backend(format: FormatSpec | str, device: torch.device | str, backen
     Args:
         format: The operands' format (a ``FormatSpec`` or a registered name).
         device: The operands' device (a ``torch.device`` or a string such as ``"npu:0"``).
-        backend: Explicit choice for this call; None uses :func:`get_backend`.
+        backend: A registered name for this call; ``None`` or ``"auto"`` (a recipe that names no
+            backend) uses :func:`get_backend`, and ``"auto"`` there picks by ``device``.
 
     Returns:
         A registered backend name whose capability check passed.
@@ -267,7 +258,9 @@ def resolve_backend(format: FormatSpec | str, device: torch.device | str, backen
         LowPrecisionUnsupportedError: the chosen backend cannot run the format here.
     """
     spec = as_spec(format)
-    name = get_backend() if backend is None else parse_backend_name(backend, "backend")
+    name = AUTO if backend is None else parse_backend_name(backend, "backend")
+    if name == AUTO:  # no explicit choice: the innermost use_backend block, else the device's backend
+        name = get_backend()
     if name == AUTO:
         device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
         name = backend_for_device_type(device_type) or "emulated"

@@ -197,8 +197,8 @@ def test_per_gemm_sqnr_against_fp64_of_each_gemms_inputs_meets_floors(fmt, monke
         quantized.append(tensor.detach().clone())
         return real_quantize(recipe, tensor, requests, **kwargs)
 
-    def gemm_spy(left, right, group_list, *, layout, output_dtype):
-        out = real_gemm(left, right, group_list, layout=layout, output_dtype=output_dtype)
+    def gemm_spy(left, right, group_list, *, layout, output_dtype, backend=None):
+        out = real_gemm(left, right, group_list, layout=layout, output_dtype=output_dtype, backend=backend)
         outputs.append(out.detach().clone())
         return out
 

@@ -1,4 +1,4 @@
-"""Fixtures for the op tests: a recording fake ``torch_npu`` and backend state reset."""
+"""Fixtures for the op tests: a recording fake ``torch_npu`` and a fresh capability cache."""
 
 from __future__ import annotations
 
@@ -7,16 +7,13 @@ import sys
 import pytest
 
 from fake_torch_npu import FakeTorchNpu
-from lp_lightning.ops import set_backend
 from lp_lightning.ops.npu import clear_capability_cache
 
 
 @pytest.fixture(autouse=True)
 def _reset_backend():
-    set_backend("auto")
     clear_capability_cache()
     yield
-    set_backend("auto")
     clear_capability_cache()
 
 

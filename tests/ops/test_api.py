@@ -31,7 +31,6 @@ from lp_lightning.ops import (
     record_gemms,
     record_quantizes,
     resolve_backend,
-    set_backend,
     use_backend,
 )
 
@@ -299,31 +298,54 @@ def test_range_observers_see_every_backend_call_begin_and_end_with_or_without_th
 
 
 def test_backend_selection_precedence(no_torch_npu):
+    """An explicit backend (a recipe's), else the innermost use_backend block, else the device's; no process global."""
     left, right, layout, _ = _dense_case("hif8", "fprop")
     assert get_backend() == "auto"
     assert resolve_backend("hif8", torch.device("cpu")) == "emulated"
     with pytest.raises(LowPrecisionUnsupportedError, match="torch_npu"):  # auto on an NPU device: never emulated
         resolve_backend("hif8", "npu:0")
-    set_backend("npu")
     not_installed = r"needs torch_npu, which is not installed: pip install torch==2\.13\.0 torch-npu==2\.13\.0"
     with pytest.raises(LowPrecisionUnsupportedError, match=not_installed):
-        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
-    with use_backend("emulated"):
-        assert get_backend() == "emulated"
-        with use_backend("npu"):
-            assert get_backend() == "npu"
-        with record_gemms() as events:
+        low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16, backend="npu")
+    with use_backend("npu"):
+        with pytest.raises(LowPrecisionUnsupportedError, match=not_installed):
             low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
-        assert events[0].backend == "emulated"
-        with pytest.raises(LowPrecisionUnsupportedError):
-            low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16, backend="npu")
-    assert get_backend() == "npu"
+        with pytest.raises(LowPrecisionUnsupportedError, match=not_installed):  # "auto" (a recipe's default) too
+            low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16, backend="auto")
+        with use_backend("emulated"):
+            assert get_backend() == "emulated"
+            with record_gemms() as events:
+                low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16)
+            assert events[0].backend == "emulated"
+            with pytest.raises(LowPrecisionUnsupportedError):
+                low_precision_matmul(left, right, layout=layout, output_dtype=torch.bfloat16, backend="npu")
+        assert get_backend() == "npu"
+    assert get_backend() == "auto"
     with pytest.raises(ValueError, match="backend='cuda'; legal values: 'auto', 'emulated', 'npu'"):
-        set_backend("cuda")  # type: ignore[arg-type]
+        with use_backend("cuda"):  # type: ignore[arg-type]
+            pass
     with pytest.raises(ValueError, match="backend='cpu'"):
         low_precision_matmul(
             left, right, layout=layout, output_dtype=torch.bfloat16, backend="cpu"  # type: ignore[arg-type]
         )
+
+
+def test_a_recipe_carries_its_backend_to_every_op(no_torch_npu):
+    """recipe_for(format, backend): one shared copy per backend; its quantisations and GEMMs go to that backend."""
+    from lp_lightning.functional import low_precision_linear
+    from lp_lightning.tensor import QuantizedWeightTensor
+
+    auto = recipe_for("hif8")
+    emulated = recipe_for("hif8", "emulated")
+    assert auto.backend == "auto" and emulated.backend == "emulated" and recipe_for("hif8", "emulated") is emulated
+    assert emulated.quantizers == auto.quantizers and emulated.name == auto.name and recipe_for("hif8", "auto") is auto
+    npu = recipe_for("hif8", "npu")
+    weight = QuantizedWeightTensor.from_master(torch.randn(N, K), recipe=emulated, kind="dense")
+    with use_backend("npu"), record_gemms() as events:  # the recipe's explicit choice wins over the block
+        low_precision_linear(torch.randn(M, K), weight, recipe=emulated)
+    assert [e.backend for e in events] == ["emulated"]
+    with pytest.raises(LowPrecisionUnsupportedError, match="torch_npu"):
+        QuantizedWeightTensor.from_master(torch.randn(N, K), recipe=npu, kind="dense")  # its refresh runs on the npu backend
 
 
 class _ForbidTorchNpu(importlib.abc.MetaPathFinder):
@@ -344,7 +366,9 @@ def test_auto_on_cpu_never_tries_to_import_torch_npu(monkeypatch):
     x = recipe.quantizer("input_fwd").quantize(torch.randn(M, K), orientation="row")
     w = recipe.quantizer("weight_fwd").quantize(torch.randn(N, K), orientation="row")
     low_precision_matmul(x, w, layout="NT", output_dtype=torch.bfloat16)
-    set_backend("npu")  # selecting alone imports nothing
+    recipe_for("mxfp8_e4m3", "npu")  # naming the backend alone imports nothing
+    with use_backend("npu"):
+        pass
     assert finder.attempts == 0 and "torch_npu" not in sys.modules
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import sys
 
 import pytest
-from lp_lightning.lightning.precision import BACKEND_CHOICES, LowPrecisionFabricPlugin
-from lp_lightning.ops import backend_names, get_backend, set_backend
+from lp_lightning.formats import recipe_for
+from lp_lightning.lightning.low_precision import LowPrecisionFabricPlugin
+from lp_lightning.lightning.precision import BACKEND_CHOICES, BF16FabricPlugin
+from lp_lightning.ops import backend_names, get_backend
 from lp_lightning.ops.gate import StartupGateError, run_startup_gate
 
 
@@ -85,20 +87,19 @@ def test_unknown_backend_fails_naming_the_legal_values():
         LowPrecisionFabricPlugin("hif8", backend="cuda")
 
 
-def test_the_plugin_selects_the_gate_backend_until_teardown(install_fake_npu):
+def test_the_gate_backend_travels_in_the_policy_not_in_a_process_global(install_fake_npu):
+    """The gate's choice becomes the plugin policy's backend, which the factories put into every recipe."""
     install_fake_npu()
     plugin = LowPrecisionFabricPlugin("mxfp8")
-    before = get_backend()
-    try:
-        assert plugin.startup_gate("npu").backend == "npu"
-        assert get_backend() == "npu" and plugin.backend == "npu"
-        assert plugin.startup_gate("npu") is plugin.gate_result  # once
-        plugin.teardown()
-        assert get_backend() == before and plugin.backend == "npu"  # the run's record stays
-    finally:
-        set_backend(before)
+    assert plugin.policy.backend == "auto"
+    assert plugin.startup_gate("npu").backend == "npu"
+    assert plugin.policy.backend == "npu" and plugin.backend == "npu" and get_backend() == "auto"
+    assert plugin.startup_gate("npu") is plugin.gate_result  # once
+    assert recipe_for(plugin.policy.format.value, plugin.policy.backend).backend == "npu"
+    plugin.teardown()
+    assert plugin.backend == "npu" and get_backend() == "auto"  # the run's record stays; nothing to restore
 
 
 def test_a_bf16_plugin_off_npu_runs_no_check():
-    plugin = LowPrecisionFabricPlugin("bf16")
+    plugin = BF16FabricPlugin()
     assert plugin.startup_gate("cpu") is None and plugin.backend == "none"

@@ -180,7 +180,7 @@ def replace_deepseek_v3_low_precision_experts(
     Args:
         source: An exact HF ``DeepseekV3Experts`` (``type(source) is DeepseekV3Experts``).
         fqn: Its fully qualified name, e.g. ``"model.layers.1.mlp.experts"``.
-        policy: An enabled ``LowPrecisionPolicy``; ``recipe_for(policy.format)`` gives the recipe.
+        policy: An enabled ``LowPrecisionPolicy``; ``recipe_for(policy.format, policy.backend)`` gives the recipe.
 
     Returns:
         The new module (same ``training`` flag).
@@ -213,7 +213,7 @@ def replace_deepseek_v3_low_precision_experts(
     module.act_fn = source.act_fn
     copy_plain_attributes(source, module)
     module.policy = policy
-    module.recipe = recipe_for(policy.format)
+    module.recipe = recipe_for(policy.format, policy.backend)
     module.fqn = fqn
     module.training = source.training
     return module
