@@ -11,7 +11,7 @@ equal): ``dsv3-tiny`` on the running Python's standard-library sources with the 
 Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
 
 * ``--precision {bf16,mxfp8,hif8}``: the precision plugin
-  (:class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`); it maps onto
+  (:func:`~lp_lightning.lightning.precision.precision_plugin`); it maps onto
   ``LowPrecisionConfig.from_precision`` (``mxfp8`` = ``mxfp8_e4m3+mx_block``, ``hif8`` =
   ``hif8+current``). An unknown value fails while parsing, naming the choices.
 * ``--backend {auto,emulated,npu}``: the op backend of the low-precision GEMMs, chosen and
@@ -43,7 +43,7 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   is saved from the non-finite state (docs/architecture.md "The non-finite guard").
 
 The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
-as instances (``FSDP2Strategy``, ``LowPrecisionPlugin``); setting ``--trainer.strategy``,
+as instances (``FSDP2Strategy``, ``precision_plugin(...)``); setting ``--trainer.strategy``,
 ``--trainer.plugins`` (except Lightning ``ClusterEnvironment`` plugins such as ``SLURMEnvironment``,
 which are passed through) or ``--trainer.precision`` fails while parsing (exit status 2), and ``--help``
 marks them REFUSED. ``trainer.logger: true`` (the default) means a ``CSVLogger`` under
@@ -107,7 +107,7 @@ from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallb
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
-from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
+from lp_lightning.lightning.precision import BackendChoice, PrecisionMode, precision_plugin
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
@@ -386,7 +386,7 @@ class LPLightningCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Builds the Trainer with ``FSDP2Strategy`` and ``LowPrecisionPlugin`` instances.
+        """Builds the Trainer with ``FSDP2Strategy`` and ``precision_plugin(...)`` instances.
 
         Raises:
             ValueError: ``trainer.strategy``, ``trainer.plugins`` or ``trainer.precision`` is set.
@@ -405,8 +405,9 @@ class LPLightningCLI(LightningCLI):
         max_skips = self._get(self.config, "nonfinite", default={}).get(
             "max_consecutive_skips", DEFAULT_MAX_CONSECUTIVE_SKIPS
         )
+        low_precision = {} if precision == "bf16" else {"plan_rules": plan_rules}
         kwargs["plugins"] = [
-            LowPrecisionPlugin(precision, backend=backend, plan_rules=plan_rules, max_consecutive_skips=max_skips),
+            precision_plugin(precision, backend=backend, max_consecutive_skips=max_skips, **low_precision),
             *_cluster_environments(trainer_config.get("plugins")),  # SLURM, LSF, ...: passed through
         ]
         if trainer_config.get("logger") in (None, True):
@@ -601,7 +602,7 @@ def _check_data_launch(data: Namespace) -> None:
 def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
     """Compiles the plan once on the meta model of ``model.*`` and checks the shard rule (design spec §15).
 
-    The plan of every rank (:meth:`LowPrecisionPlugin.compile_plan`) compiled and applied on the
+    The plan of every rank (:func:`~lp_lightning.models.replacement.replacement_plan`) compiled and applied on the
     structure-only model: a target FQN naming no module, a module that is not the rule's
     ``module_type``, rule conflicts and unimportable ``module_type``/factory paths fail here. Then, with
     ``fsdp_config.fallback_to_unsharded: false`` and a known world size, every weight that breaks the
@@ -614,6 +615,7 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
     """
     from lp_lightning.integration import illegal_shards_error, planned_shard_violations
     from lp_lightning.models.deepseek_v3 import build_meta_model
+    from lp_lightning.models.replacement import replacement_plan
 
     model = section["model"]
     meta = build_meta_model(
@@ -621,12 +623,12 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
         config_overrides=model.get("config_overrides"),
         attn_implementation=model.get("attn_implementation") or "sdpa",
     )
-    plugin = LowPrecisionPlugin(section["precision"], plan_rules=plan_rules)
-    plugin.compile_plan(meta).apply(meta)
+    policy = LowPrecisionConfig.from_precision(section["precision"]).to_policy()
+    replacement_plan(meta, policy, plan_rules).apply(meta)
     fallback = section["fsdp_config"].get("fallback_to_unsharded")
     if world_size is not None and not fallback:
         violations = planned_shard_violations(
-            meta, world_size, plugin.policy.format.value,
+            meta, world_size, policy.format.value,
             input_dim_sharding=section["fsdp_config"].get("input_dim_sharding", True),
         )
         if violations:

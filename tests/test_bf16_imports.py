@@ -2,7 +2,7 @@
 
 A fresh subprocess (so no other test's imports leak in) runs the bf16 path the way the product does:
 
-1. ``from_hf_config("dsv3-tiny")``, ``LowPrecisionFabricPlugin("bf16").convert_module``, one
+1. ``from_hf_config("dsv3-tiny")``, ``BF16FabricPlugin().convert_module``, one
    optimizer step through the plugin;
 2. ``lp-lightning fit --precision bf16 --trainer.max_steps 1`` in-process (``runpy``, one process,
    CPU): the LightningModule's ``configure_model``, the FSDP2 strategy (plugin ``convert_module``,
@@ -85,10 +85,10 @@ _SCRIPT = textwrap.dedent(
     root = Path(sys.argv[1])
 
     # 1. The plugin on its own (Fabric's order: convert_module, then optimizer steps through the plugin).
-    from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
+    from lp_lightning.lightning.precision import BF16FabricPlugin
     from lp_lightning.models.deepseek_v3 import from_hf_config
 
-    plugin = LowPrecisionFabricPlugin("bf16")
+    plugin = BF16FabricPlugin()
     model = plugin.convert_module(from_hf_config("dsv3-tiny", seed=0))
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()

@@ -99,7 +99,7 @@ def _dim0_rule_breakers_at_8_ranks() -> list[tuple[str, tuple[int, ...]]]:
 def test_16b_mxfp8_dim0_rule_breakers_shard_along_their_input_dim():
     """At 8 ranks 84 weights break the MXFP8 dim-0 rule (design spec §9.1); each takes Shard(1) (2048 / 8 = 256
     columns per rank, a multiple of 64), none is replicated."""
-    from lp_lightning.lightning.precision import LowPrecisionPlugin
+    from lp_lightning.lightning.low_precision import LowPrecisionPlugin
     from lp_lightning.integration import planned_placements, planned_shard_violations
     from lp_lightning.models.deepseek_v3 import build_meta_model
 

@@ -38,6 +38,8 @@ import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import LPLightningCLI, _check_launch, main, parse_config
 from lp_lightning.distributed.optimizer import check_optimizer
 from lp_lightning.lightning import (
+    BF16FabricPlugin,
+    BF16Plugin,
     DeepSeekV3LM,
     FSDP2FabricStrategy,
     FSDP2Strategy,
@@ -437,13 +439,13 @@ class _SGDModule(DeepSeekV3LM):
 def test_trainer_refuses_other_optimizers_at_construction(tmp_path, build_stages, isolated_dist):
     with pytest.raises(TypeError, match=r"optimizer torch\.optim\.sgd\.SGD is not supported: design spec §15 allows "
                                         r"only torch\.optim\.AdamW with FP32 master weights, moments and update"):
-        _fit(_SGDModule(), LowPrecisionPlugin("bf16"), tmp_path)
+        _fit(_SGDModule(), BF16Plugin(), tmp_path)
     assert "fully_shard" in build_stages and _SGDModule.steps == 0  # after sharding, before any step
 
 
 def test_fabric_refuses_other_optimizers_and_non_fp32_state(isolated_dist):
     fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(),
-                    plugins=[LowPrecisionFabricPlugin("bf16")])
+                    plugins=[BF16FabricPlugin()])
     fabric.launch()
     model = fabric.setup_module(deepseek_v3.from_hf_config("dsv3-tiny", seed=0))
     with pytest.raises(TypeError, match=r"optimizer torch\.optim\.sgd\.SGD is not supported"):

@@ -13,9 +13,10 @@ from lp_lightning.lightning.memory_probe import TensorMemoryProbe
 from lp_lightning.lightning.module import DeepSeekV3LM, warmup_cosine_factor
 from lp_lightning.lightning.precision import (
     SUPPORTED_PRECISIONS,
-    LowPrecisionFabricPlugin,
-    LowPrecisionPlugin,
+    BF16FabricPlugin,
+    BF16Plugin,
     PrecisionMode,
+    precision_plugin,
 )
 from lp_lightning.lightning.probe_callbacks import (
     GatherTraceProbe,
@@ -31,6 +32,8 @@ from lp_lightning.lightning.strategy import FSDP2FabricStrategy, FSDP2Strategy
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
+    "BF16FabricPlugin",
+    "BF16Plugin",
     "DeepSeekV3LM",
     "FSDP2FabricStrategy",
     "FSDP2Strategy",
@@ -52,8 +55,20 @@ __all__ = [
     "StepRecordProbe",
     "TensorMemoryProbe",
     "checkpoint_dirname",
+    "precision_plugin",
     "register_npu_accelerator",
     "warmup_cosine_factor",
 ]
+
+_LOW_PRECISION = ("LowPrecisionFabricPlugin", "LowPrecisionPlugin")
+
+
+def __getattr__(name: str) -> object:
+    """``LowPrecisionPlugin`` / ``LowPrecisionFabricPlugin`` load the low-precision stack on first use only."""
+    if name in _LOW_PRECISION:
+        from lp_lightning.lightning import low_precision  # not at import: a bf16 run never loads it
+
+        return getattr(low_precision, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 register_npu_accelerator()

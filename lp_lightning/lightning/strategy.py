@@ -29,18 +29,17 @@ The LightningModule must hold the HF causal LM at ``.model`` (a model type with 
 :class:`~lp_lightning.models.adapter.ModelAdapter`, which says where its decoder layers are) and may
 declare ``activation_checkpoint`` (``"off"``/``"full"``; absent means
 ``"off"``). The precision plugin must be a
-:class:`~lp_lightning.lightning.precision.LowPrecisionFabricPlugin` (Trainer:
-:class:`~lp_lightning.lightning.precision.LowPrecisionPlugin`) passed as an instance.
+:func:`~lp_lightning.lightning.precision.precision_plugin` (``trainer=False`` for Fabric) passed as an instance.
 
 Trainer::
 
     Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(FSDP2Config()),
-            plugins=[LowPrecisionPlugin("mxfp8")], use_distributed_sampler=False)
+            plugins=[precision_plugin("mxfp8")], use_distributed_sampler=False)
 
 Fabric (set the model up first, then create the optimizer over the sharded Parameters)::
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDP2FabricStrategy(),
-                    plugins=[LowPrecisionFabricPlugin("bf16")])
+                    plugins=[precision_plugin("bf16", trainer=False)])
     fabric.launch()
     model = fabric.setup_module(from_hf_config("dsv3-tiny", seed=0))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -88,7 +87,7 @@ from lp_lightning.distributed.fsdp import (
 )
 from lp_lightning.distributed.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
-from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
+from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
 
 __all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
 
@@ -96,12 +95,12 @@ OPTIMIZER_CHECKPOINT_KEY = "optimizer"
 """DCP key prefix of the Trainer's optimizer view (``optimizer.state.<hf fqn>.exp_avg``)."""
 
 
-def _require_plugin(strategy_name: str, plugin: object) -> LowPrecisionFabricPlugin:
-    if not isinstance(plugin, LowPrecisionFabricPlugin):
+def _require_plugin(strategy_name: str, plugin: object) -> FSDP2PrecisionPlugin:
+    if not isinstance(plugin, FSDP2PrecisionPlugin):
         raise TypeError(
             f"{strategy_name} needs the lp-lightning precision plugin, got "
-            f"{type(plugin).__name__}. Pass plugins=[LowPrecisionPlugin('bf16')] (Trainer) or "
-            f"[LowPrecisionFabricPlugin('bf16')] (Fabric), without `precision=`."
+            f"{type(plugin).__name__}. Pass plugins=[precision_plugin('bf16')] (Trainer) or "
+            f"[precision_plugin('bf16', trainer=False)] (Fabric), without `precision=`."
         )
     return plugin
 
@@ -248,7 +247,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         """The checkpoint folder the last ``load_checkpoint`` restored (after any fallback)."""
 
     @property
-    def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
+    def low_precision_plugin(self) -> FSDP2PrecisionPlugin:
         """The connected precision plugin (raises ``TypeError`` if it is not lp-lightning's)."""
         return _require_plugin(type(self).__name__, self.precision_plugin)
 
@@ -257,7 +256,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         """Checks the plugin, runs the startup gate, starts the process group, builds the ``("dp_shard",)`` mesh.
 
         Raises:
-            TypeError: The precision plugin is not :class:`LowPrecisionPlugin`.
+            TypeError: The precision plugin is not an lp-lightning one (``precision_plugin``).
             lp_lightning.ops.gate.StartupGateError: A startup-gate check failed (design spec §15).
             ValueError: ``fsdp_config.dp_shard_size`` differs from the world size.
         """
@@ -459,7 +458,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
         self.activation_checkpoint = activation_checkpoint
 
     @property
-    def low_precision_plugin(self) -> LowPrecisionFabricPlugin:
+    def low_precision_plugin(self) -> FSDP2PrecisionPlugin:
         """The connected precision plugin (raises ``TypeError`` if it is not lp-lightning's)."""
         return _require_plugin(type(self).__name__, self.precision)
 

@@ -4,7 +4,7 @@ What :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` would build, d
 allocating anything (design spec §12.1 build order):
 
 - the model is built on the meta device (``build_meta_model``) and, in mxfp8/hif8, the precision
-  plugin's replacement plan is compiled and applied on it (``LowPrecisionPlugin.compile_plan``), as
+  plugin's replacement plan is compiled and applied on it (``models.replacement.replacement_plan``), as
   ``lp-lightning fit`` does at launch;
 - every low-precision weight gets its placement from the shard rules of design spec §9.1
   (:func:`~lp_lightning.integration.planned_placements` / ``planned_sharding``): ``Shard(0)``,
@@ -40,9 +40,11 @@ from lp_lightning.integration import (
     planned_placements,
     planned_sharding,
 )
-from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, LowPrecisionPlugin
+from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import SPECS, build_meta_model
+from lp_lightning.models.replacement import replacement_plan
+from lp_lightning.policy import LowPrecisionConfig
 from lp_lightning.tensor.storage import nbytes, storage_spec
 
 __all__ = [
@@ -220,9 +222,9 @@ def reference_low_precision_weights(
     """``(fqn, kind, shape)`` of the weights the default plan makes low precision (the same in every
     low-precision recipe), for a bf16 run's bytes-per-parameter table."""
     meta = _meta_model(spec, config_overrides)
-    plugin = LowPrecisionPlugin(next(p for p in SUPPORTED_PRECISIONS if p != "bf16"))
-    plugin.compile_plan(meta).apply(meta)
-    return [(p.fqn, p.kind, p.shape) for p in planned_placements(meta, 1, plugin.policy.format.value)]
+    policy = LowPrecisionConfig.from_precision(next(p for p in SUPPORTED_PRECISIONS if p != "bf16")).to_policy()
+    replacement_plan(meta, policy).apply(meta)
+    return [(p.fqn, p.kind, p.shape) for p in planned_placements(meta, 1, policy.format.value)]
 
 
 def build_layout(
@@ -255,9 +257,9 @@ def build_layout(
     startup_error = None
     replicated_if_fallback: frozenset[str] = frozenset()
     if precision != "bf16":
-        plugin = LowPrecisionPlugin(precision)
-        plugin.compile_plan(meta).apply(meta)
-        fmt = as_spec(plugin.policy.format.value)
+        policy = LowPrecisionConfig.from_precision(precision).to_policy()
+        replacement_plan(meta, policy).apply(meta)
+        fmt = as_spec(policy.format.value)
         placements = planned_placements(meta, world_size, fmt, input_dim_sharding=input_dim_sharding)
         with_fallback = planned_sharding(
             meta, world_size, fmt, fallback_to_unsharded=True, input_dim_sharding=input_dim_sharding

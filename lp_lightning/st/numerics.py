@@ -314,7 +314,7 @@ def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None)
 def _one_layer_step(precision: str, seed: int, ids: torch.Tensor) -> dict[str, Any]:
     """Build, convert (production plugin) and run one forward/backward of the one-layer model."""
     from lp_lightning.lightning.module import DeepSeekV3LM
-    from lp_lightning.lightning.precision import LowPrecisionPlugin
+    from lp_lightning.lightning.low_precision import LowPrecisionPlugin
 
     module = DeepSeekV3LM(
         config_name_or_path="dsv3-tiny", config_overrides=dict(ONE_LAYER_OVERRIDES), validate_spec=False, seed=seed

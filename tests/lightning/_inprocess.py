@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 
 from lp_lightning.config import FSDP2Config
 from lp_lightning.lightning import (
+    BF16Plugin,
     DeepSeekV3LM,
     FSDP2Strategy,
     LowPrecisionPlugin,
@@ -41,7 +42,7 @@ def fit_tiny(
         "accelerator": "cpu",
         "devices": 1,
         "strategy": FSDP2Strategy(fsdp_config),
-        "plugins": [plugin or LowPrecisionPlugin("bf16")],
+        "plugins": [plugin or BF16Plugin()],
         "max_steps": max_steps,
         "accumulate_grad_batches": accumulate_grad_batches,
         "use_distributed_sampler": False,

@@ -35,9 +35,9 @@ from lightning.pytorch.loggers import CSVLogger
 import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import main, parse_config
 from lp_lightning.lightning import (
+    BF16FabricPlugin,
     FSDP2FabricStrategy,
     FSDP2Strategy,
-    LowPrecisionFabricPlugin,
     NPUAccelerator,
     NPUFabricAccelerator,
     register_npu_accelerator,
@@ -189,8 +189,7 @@ _NPU_DEVICE_SCRIPT = textwrap.dedent(
     import lightning.pytorch.strategies.model_parallel as trainer_mp
     from lightning.fabric import Fabric
     import lp_lightning.lightning.strategy as strategy_module
-    from lp_lightning.lightning import (FSDP2FabricStrategy, FSDP2Strategy, LowPrecisionFabricPlugin,
-                                        LowPrecisionPlugin, NPUAccelerator)
+    from lp_lightning.lightning import BF16FabricPlugin, BF16Plugin, FSDP2FabricStrategy, FSDP2Strategy, NPUAccelerator
     from lp_lightning.lightning.callbacks import _peak_memory_bytes
 
     calls = []
@@ -201,14 +200,14 @@ _NPU_DEVICE_SCRIPT = textwrap.dedent(
 
     out = {"parallel_devices": [str(d) for d in NPUAccelerator.get_parallel_devices([0, 3])]}
     trainer = pl.Trainer(accelerator="npu", devices=8, num_nodes=2, strategy=FSDP2Strategy(),
-                         plugins=[LowPrecisionPlugin("bf16")], logger=False)
+                         plugins=[BF16Plugin()], logger=False)
     strategy = trainer.strategy
     out["trainer"] = [type(trainer.accelerator).__name__, type(strategy.cluster_environment).__name__,
                       str(strategy.root_device), strategy.global_rank, strategy.world_size]
     strategy._setup_distributed()
     strategy._build_dp_shard_mesh()
     fabric = Fabric(accelerator="npu", devices=8, num_nodes=2, strategy=FSDP2FabricStrategy(),
-                    plugins=[LowPrecisionFabricPlugin("bf16")])
+                    plugins=[BF16FabricPlugin()])
     out["fabric"] = [type(fabric.accelerator).__name__, str(fabric.device), fabric.global_rank, fabric.world_size]
     fabric.strategy.setup_environment()
     fake.npu.peak_allocated_bytes = 123456789
@@ -268,7 +267,7 @@ def test_trainer_fits_on_the_npu_accelerator(fake_npu_on_cpu, token_cache_dir, t
 
 def test_fabric_fits_on_the_npu_accelerator(fake_npu_on_cpu, isolated_dist):
     fabric = Fabric(accelerator="npu", devices=1, strategy=FSDP2FabricStrategy(),
-                    plugins=[LowPrecisionFabricPlugin("bf16")])
+                    plugins=[BF16FabricPlugin()])
     fabric.launch()
     assert isinstance(fabric.accelerator, NPUFabricAccelerator) and fabric.device == CPU0
     model = fabric.setup_module(from_hf_config("dsv3-tiny", seed=0))

@@ -9,7 +9,8 @@ from torch import nn
 
 from lp_lightning.distributed.finite import NonFiniteStateError
 from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
-from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, LowPrecisionFabricPlugin, LowPrecisionPlugin
+from lp_lightning.lightning.low_precision import LowPrecisionFabricPlugin, LowPrecisionPlugin
+from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, BF16FabricPlugin, BF16Plugin, precision_plugin
 
 
 @pytest.fixture
@@ -21,9 +22,9 @@ def eager_codecs():
     set_compiled_kernels(previous)
 
 
-@pytest.mark.parametrize("cls", [LowPrecisionFabricPlugin, LowPrecisionPlugin])
+@pytest.mark.parametrize("cls", [BF16FabricPlugin, BF16Plugin])
 def test_bf16_plugin(cls):
-    plugin = cls("bf16")
+    plugin = cls()
     assert plugin.mode == "bf16" and plugin.backend == "none" and plugin.precision == "bf16-mixed"
     assert plugin.policy.enabled is False
     policy = plugin.fsdp_mixed_precision_policy()
@@ -32,6 +33,19 @@ def test_bf16_plugin(cls):
     weight = module.weight
     assert plugin.convert_module(module) is module and module.weight is weight  # bf16 replaces nothing
     assert plugin.replacement_report is None
+
+
+def test_one_factory_picks_the_plugin():
+    """precision_plugin: bf16 -> the BF16 plugins, mxfp8/hif8 -> the low-precision ones; each refuses the other's mode."""
+    assert type(precision_plugin("bf16")) is BF16Plugin and type(precision_plugin("bf16", trainer=False)) is BF16FabricPlugin
+    plugin = precision_plugin("hif8", backend="emulated", max_consecutive_skips=5)
+    assert type(plugin) is LowPrecisionPlugin and plugin.mode == "hif8" and plugin.guard.max_consecutive_skips == 5
+    assert plugin.policy.backend == "emulated" and plugin.gate.requested == "emulated"
+    assert type(precision_plugin("mxfp8", trainer=False)) is LowPrecisionFabricPlugin
+    with pytest.raises(ValueError, match=r"precision='bf16' is the BF16 baseline: use precision_plugin\('bf16'\)"):
+        LowPrecisionPlugin("bf16")
+    with pytest.raises(ValueError, match=r"precision='fp8' is not supported"):
+        precision_plugin("fp8")
 
 
 @pytest.mark.parametrize("bad", ["fp16", "bf16-mixed", "fp8", "mxfp4"])
@@ -137,7 +151,7 @@ def test_a_non_finite_low_precision_master_stops_the_run_after_the_step(mode, ea
 def test_consecutive_skips_stop_the_run_at_the_limit_and_an_applied_step_resets_them():
     module = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-    plugin = LowPrecisionFabricPlugin("bf16", max_consecutive_skips=2)
+    plugin = BF16FabricPlugin(max_consecutive_skips=2)
     plugin.guard.name_parameters(module)
 
     def step(bad: float) -> None:
@@ -155,19 +169,19 @@ def test_consecutive_skips_stop_the_run_at_the_limit_and_an_applied_step_resets_
     assert (info.value.reason, info.value.fqn, info.value.consecutive_skips) == ("non-finite gradient", "weight", 2)
     assert [e["step"] for e in plugin.guard.events] == [1, 3, 4]
     # Finite gradients whose norm overflows FP32: said so, no FQN; 0 = no limit.
-    plugin = LowPrecisionFabricPlugin("bf16", max_consecutive_skips=0)
+    plugin = BF16FabricPlugin(max_consecutive_skips=0)
     for _ in range(5):
         step(1e30)
     assert plugin.guard.consecutive_skips == 5 and plugin.guard.events[-1] == {
         "step": 5, "reason": "gradient norm overflow", "fqn": None}
     with pytest.raises(ValueError, match="nonfinite.max_consecutive_skips must be an int >= 0"):
-        LowPrecisionFabricPlugin("bf16", max_consecutive_skips=-1)
+        BF16FabricPlugin(max_consecutive_skips=-1)
 
 
 def test_a_skip_caused_by_a_non_finite_master_stops_at_once():
     module = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-    plugin = LowPrecisionFabricPlugin("bf16")  # limit 3, but a NaN master cannot recover
+    plugin = BF16FabricPlugin()  # limit 3, but a NaN master cannot recover
     plugin.guard.name_parameters(module)
     with torch.no_grad():
         module.bias[0] = float("nan")
@@ -182,7 +196,7 @@ def test_a_skip_caused_by_a_non_finite_master_stops_at_once():
 def test_fabric_plugin_counts_every_returned_step():
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.5)
-    plugin = LowPrecisionFabricPlugin("bf16")
+    plugin = BF16FabricPlugin()
     param.grad = torch.ones(2)
     plugin.optimizer_step(optimizer)
     assert plugin.optimizer_steps_applied == 1 and plugin.last_step_applied
@@ -193,14 +207,14 @@ def test_fabric_plugin_counts_every_returned_step():
 def test_non_finite_gradient_skips_the_step_unless_disabled(bad):
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.5)
-    plugin = LowPrecisionFabricPlugin("bf16")
+    plugin = BF16FabricPlugin()
     param.grad = torch.tensor([1.0, bad])
     plugin.optimizer_step(optimizer)
     assert plugin.optimizer_steps_skipped == 1 and plugin.optimizer_steps_applied == 0
     assert torch.equal(param.detach(), torch.ones(2))
     assert plugin.guard.events == [{"step": 1, "reason": "non-finite gradient", "fqn": "parameter 0 (2,)"}]
     # Not skipping applies the update; the master is then NaN/Inf and the guard stops the run at once.
-    plugin = LowPrecisionFabricPlugin("bf16", skip_nonfinite_steps=False)
+    plugin = BF16FabricPlugin(skip_nonfinite_steps=False)
     with pytest.raises(NonFiniteStateError, match=r"step 1: non-finite master weight \('parameter 0 \(2,\)'\) "
                        r"\(after an applied optimizer step\)") as info:
         plugin.optimizer_step(optimizer)
@@ -211,7 +225,7 @@ def test_non_finite_gradient_skips_the_step_unless_disabled(bad):
 def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
     param = nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=0.5)
-    plugin = LowPrecisionPlugin("bf16")
+    plugin = BF16Plugin()
     # No Trainer here: skip Lightning's post-closure hooks (callbacks, gradient clipping).
     monkeypatch.setattr(Precision, "_after_closure", lambda self, model, optimizer: None)
     model = nn.Linear(1, 1)
@@ -238,9 +252,9 @@ def test_trainer_plugin_runs_the_closure_then_steps(monkeypatch):
 
 
 def test_state_dict_round_trip_and_cross_precision_resume():
-    plugin = LowPrecisionPlugin("bf16")
+    plugin = BF16Plugin()
     plugin.optimizer_steps_applied, plugin.optimizer_steps_skipped, plugin.guard.consecutive_skips = 7, 2, 1
-    restored = LowPrecisionPlugin("bf16")
+    restored = BF16Plugin()
     restored.load_state_dict(plugin.state_dict())
     assert (restored.optimizer_steps_applied, restored.optimizer_steps_skipped, restored.guard.consecutive_skips) == (
         7, 2, 1)
@@ -251,7 +265,7 @@ def test_state_dict_round_trip_and_cross_precision_resume():
         hif8.load_state_dict({"mode": "mxfp8", "optimizer_steps_applied": 3})  # checkpoints hold no 8-bit data
     assert hif8.optimizer_steps_applied == 3
     with pytest.warns(UserWarning, match="no low-precision weight is built"):
-        LowPrecisionPlugin("bf16").load_state_dict({"mode": "hif8"})
+        BF16Plugin().load_state_dict({"mode": "hif8"})
 
 
 # The bf16 import guard (R3 / design spec §13.1: low precision off imports neither the format layer, the
@@ -263,4 +277,4 @@ def test_convert_module_needs_a_model_adapter():
     """The plugin learns the model (meta twin, default rules, boundary) from its adapter; none, no conversion."""
     with pytest.raises(TypeError, match=r"no model adapter for model type None \(Sequential\)"):
         LowPrecisionPlugin("mxfp8").convert_module(nn.Sequential(nn.Linear(64, 64)))
-    assert LowPrecisionPlugin("bf16").convert_module(model := nn.Sequential()) is model  # bf16: nothing to look up
+    assert BF16Plugin().convert_module(model := nn.Sequential()) is model  # bf16: nothing to look up

@@ -21,18 +21,18 @@ from lp_lightning.config import FSDP2Config
 from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
 from lp_lightning.distributed.fsdp import is_parallelized
 from lp_lightning.lightning import (
+    BF16FabricPlugin,
+    BF16Plugin,
     DeepSeekV3LM,
     FSDP2FabricStrategy,
     FSDP2Strategy,
-    LowPrecisionFabricPlugin,
-    LowPrecisionPlugin,
 )
 from lp_lightning.models.deepseek_v3 import from_hf_config
 
 BF16_UNIT_ROUNDOFF = 2.0**-8
 
 
-class _SpyPlugin(LowPrecisionPlugin):
+class _SpyPlugin(BF16Plugin):
     """Records what the model looked like when ``convert_module`` ran."""
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -42,7 +42,7 @@ class _SpyPlugin(LowPrecisionPlugin):
 
 
 def test_convert_runs_before_upcast_and_sharding(tmp_path, token_cache_dir, isolated_dist):
-    plugin = _SpyPlugin("bf16")
+    plugin = _SpyPlugin()
     trainer, module, _ = fit_tiny(tmp_path, datamodule=tiny_datamodule(token_cache_dir), max_steps=1,
                                   activation_checkpoint="full", plugin=plugin)
     # convert_module saw the plain model as built (BF16 weights, router kept FP32), not yet sharded.
@@ -109,7 +109,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, isolated_dist):
 def test_non_lp_precision_plugin_is_refused(tmp_path, isolated_dist):
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=FSDP2Strategy(), max_steps=1, logger=False,
                          enable_checkpointing=False, default_root_dir=str(tmp_path))
-    with pytest.raises(TypeError, match=r"LowPrecisionPlugin\('bf16'\)"):
+    with pytest.raises(TypeError, match=r"precision_plugin\('bf16'\)"):
         trainer.fit(DeepSeekV3LM())
     assert not torch.distributed.is_initialized()  # failed before the process group
 
@@ -121,7 +121,7 @@ def test_dp_shard_size_must_match_world_size(tmp_path, token_cache_dir, isolated
 
 def test_fabric_twin_shards_steps_and_checkpoints_hf_keys(tmp_path, isolated_dist):
     fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(activation_checkpoint="full"),
-                    plugins=[LowPrecisionFabricPlugin("bf16")])
+                    plugins=[BF16FabricPlugin()])
     fabric.launch()
     model = from_hf_config("dsv3-tiny", seed=0)
     with pytest.raises(ValueError, match="setup_module"):

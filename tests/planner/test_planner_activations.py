@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from lp_lightning.distributed.fsdp import apply_activation_checkpointing
 from lp_lightning.formats.spec import as_spec
 from lp_lightning.integration import refresh_low_precision_weights
-from lp_lightning.lightning.precision import LowPrecisionPlugin
+from lp_lightning.lightning.low_precision import LowPrecisionPlugin
 from lp_lightning.models.deepseek_v3 import from_hf_config
 from lp_lightning.planner.activations import deepseek_v3_activations
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from lp_lightning.distributed.fsdp import _fully_shard_model, default_mixed_precision_policy, upcast_parameters_to_fp32
 from lp_lightning.formats.spec import as_spec
 from lp_lightning.integration import GatherPolicy, gather_layout, planned_sharding
-from lp_lightning.lightning.precision import LowPrecisionPlugin
+from lp_lightning.lightning.low_precision import LowPrecisionPlugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import build_meta_model
 from lp_lightning.planner import COMPONENTS, plan_memory

@@ -94,7 +94,7 @@ elif _BROKEN == "hp_gather":
     module.is_low_precision_weight = lambda weight: True  # the module no longer insists on an 8-bit weight
 
 elif _BROKEN == "micro_step_refresh":
-    from lp_lightning.lightning.precision import LowPrecisionPlugin
+    from lp_lightning.lightning.low_precision import LowPrecisionPlugin
 
     _post_backward = LowPrecisionPlugin.post_backward
 
@@ -108,7 +108,7 @@ elif _BROKEN == "micro_step_refresh":
 
 elif _BROKEN == "resume_from_bf16":
     import torch
-    from lp_lightning.lightning.precision import LowPrecisionFabricPlugin
+    from lp_lightning.lightning.low_precision import LowPrecisionFabricPlugin
 
     _rebuild = LowPrecisionFabricPlugin.rebuild_after_load
 
