@@ -1,8 +1,9 @@
 """The FSDP2 gather extension of low-precision weights (design spec §9, §13.5).
 
 torch's FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a sharded parameter's
-local tensor; a ``QuantizedWeightTensor`` forwards both to :class:`GatherExtension`, installed here
-with ``lp_lightning.tensor.weight.set_gather_extension`` when this module is imported. Only public
+local tensor; a ``QuantizedWeightTensor`` forwards both to its own gather spec
+(``lp_lightning.tensor.GatherSpec``), the :class:`GatherPolicy` that finalize set on it (no
+process-wide slot: what a weight does when gathered is in the weight). Only public
 arguments of the hooks are read (no private FSDP state), and only the generic ``FormatSpec``
 protocol: whether the format's orientation is physical, the scale shapes, the shard rule.
 
@@ -75,7 +76,6 @@ from torch import nn
 
 from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, WeightKind, as_spec, shard_rows
 from lp_lightning.observers import ObserverHandle, Observers
-from lp_lightning.tensor.base import _WeightState, set_gather_extension
 from lp_lightning.tensor.gathered import GatheredWeightTensor
 from lp_lightning.tensor.storage import nbytes as _nbytes
 from lp_lightning.tensor.storage import storage_spec
@@ -83,7 +83,6 @@ from lp_lightning.tensor.weight import QuantizedWeightTensor
 
 __all__ = [
     "GatherEvent",
-    "GatherExtension",
     "GatherLayout",
     "GatherMetadata",
     "GatherPhase",
@@ -146,6 +145,21 @@ class GatherPolicy:
     def gathers_both_orientations(self) -> bool:
         """Whether every MXFP8 gather carries row and col (see the class docstring)."""
         return (not self.reshard_after_forward) or self.activation_checkpoint == "full"
+
+    # -- the GatherSpec of lp_lightning.tensor: FSDP2's two hooks, forwarded by the weight ------
+    def pre_all_gather(
+        self, weight: QuantizedWeightTensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+        module: nn.Module, mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], GatherMetadata]:
+        """The low-precision storage of this shard as ``uint8`` all-gather slots (:func:`_pre_all_gather`)."""
+        return _pre_all_gather(self, weight, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def post_all_gather(
+        self, weight: QuantizedWeightTensor, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
+        param_dtype: torch.dtype, *, out: torch.Tensor | None = None,
+    ) -> tuple[GatheredWeightTensor, tuple[torch.Tensor, ...]] | None:
+        """The full logical weight over the gathered slots (:func:`_post_all_gather`)."""
+        return _post_all_gather(self, weight, all_gather_outputs, metadata, param_dtype, out=out)
 
 
 def current_gather_phase() -> GatherPhase:
@@ -594,165 +608,149 @@ def add_gather_observer(observer: Callable[[GatherEvent], None]) -> ObserverHand
 # The extension the weights forward FSDP2's hooks to.
 
 
-def _policy(weight: QuantizedWeightTensor) -> GatherPolicy:
-    policy = weight.gather_policy
-    if policy is None:
-        return GatherPolicy()
-    if not isinstance(policy, GatherPolicy):
-        raise TypeError(f"{weight.fqn!r}: gather_policy must be a GatherPolicy, got {type(policy).__name__}.")
-    return policy
+def _pre_all_gather(
+    policy: GatherPolicy,
+    weight: QuantizedWeightTensor,
+    mesh: Any,
+    outer_size: torch.Size,
+    outer_stride: tuple[int, ...],
+    module: nn.Module,
+    mp_policy: Any,
+) -> tuple[tuple[torch.Tensor, ...], GatherMetadata]:
+    """The low-precision physical tensors of this shard, as ``uint8`` slots (design spec §9, §13.5).
 
+    Called by FSDP2 on the sharded local tensor before each all-gather. Only public
+    arguments are read: ``mesh`` (shard-group size and rank), ``outer_size`` (full logical
+    shape). The phase comes from :func:`current_gather_phase`, the orientation choice from
+    ``gather_policy`` (see :class:`GatherPolicy`).
 
-class GatherExtension:
-    """FSDP2's pre/post all-gather hooks of every ``QuantizedWeightTensor`` (module docstring)."""
+    Args:
+        mesh: The FSDP shard mesh (1-D; ``size()`` = W, ``get_local_rank()`` = this rank).
+        outer_size: Logical shape of the whole (unsharded) parameter.
+        outer_stride: Its contiguous strides (unused: the schema depends on the shape only).
+        module: The module owning the parameter (unused).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` (unused: low-precision bytes are not cast;
+            the gathered weight takes ``param_dtype`` as its logical dtype in the post hook).
 
-    def pre_all_gather(
-        self,
-        weight: QuantizedWeightTensor,
-        mesh: Any,
-        outer_size: torch.Size,
-        outer_stride: tuple[int, ...],
-        module: nn.Module,
-        mp_policy: Any,
-    ) -> tuple[tuple[torch.Tensor, ...], GatherMetadata]:
-        """The low-precision physical tensors of this shard, as ``uint8`` slots (design spec §9, §13.5).
+    Returns:
+        ``(slots, metadata)``: ``uint8`` tensors in :class:`GatherLayout` order and a
+        :class:`GatherMetadata` for the matching post hook.
 
-        Called by FSDP2 on the sharded local tensor before each all-gather. Only public
-        arguments are read: ``mesh`` (shard-group size and rank), ``outer_size`` (full logical
-        shape). The phase comes from :func:`current_gather_phase`, the orientation choice from
-        ``gather_policy`` (see :class:`GatherPolicy`).
-
-        Args:
-            mesh: The FSDP shard mesh (1-D; ``size()`` = W, ``get_local_rank()`` = this rank).
-            outer_size: Logical shape of the whole (unsharded) parameter.
-            outer_stride: Its contiguous strides (unused: the schema depends on the shape only).
-            module: The module owning the parameter (unused).
-            mp_policy: FSDP2's ``MixedPrecisionPolicy`` (unused: low-precision bytes are not cast;
-                the gathered weight takes ``param_dtype`` as its logical dtype in the post hook).
-
-        Returns:
-            ``(slots, metadata)``: ``uint8`` tensors in :class:`GatherLayout` order and a
-            :class:`GatherMetadata` for the matching post hook.
-
-        Raises:
-            ValueError: storage not built, not a Shard(0)/Shard(1) shard, a shard breaking the format's
-                rule (MXFP8: §9.1), or
-                storage tensors that disagree with the declared schema.
-        """
-        world_size, rank = mesh.size(), mesh.get_local_rank()
-        shard_dim = _shard_dim(tuple(weight.shape), tuple(outer_size))
-        layout = gather_layout(weight.format, weight.kind, tuple(outer_size), world_size, _policy(weight), shard_dim)
-        local_rows = layout.local_rows[rank]
-        expected_local = layout.local_shape(rank)
-        if tuple(weight.shape) != expected_local:
-            raise ValueError(
-                f"fsdp_pre_all_gather({weight.fqn!r}): local shard {tuple(weight.shape)} is not the Shard({shard_dim}) "
-                f"shard {expected_local} of {layout.outer_shape} on rank {rank} of {world_size}; low-precision weights "
-                "support FSDP2 Shard(0) and, where their format allows it, Shard(1) (integration.plan_low_precision_sharding)."
-            )
-        if not weight.is_built:
-            raise ValueError(
-                f"fsdp_pre_all_gather({weight.fqn!r}): the low-precision shard was never built; call "
-                "lp_lightning.integration.refresh_low_precision_weights(model.parameters()) after fully_shard (design spec §10)."
-            )
-        if weight._state.gather_layout is None:
-            weight._state.gather_layout = layout
-        elif weight._state.gather_layout != layout:
-            raise ValueError(
-                f"fsdp_pre_all_gather({weight.fqn!r}): the gather schema changed since the first all-gather "
-                f"({weight._state.gather_layout} -> {layout}); FSDP2 sized its buffers from the first call."
-            )
-        phase = current_gather_phase()
-        orientations = layout.orientations_for(phase)
-        slots = layout.pack(weight._state.storage, orientations, local_rows, fqn=weight.fqn)
-        if _GATHER_OBSERVERS:
-            _GATHER_OBSERVERS.notify(
-                GatherEvent(
-                    fqn=weight.fqn, phase=phase, orientations=orientations, tensors=slots, local=world_size == 1,
-                    names=tuple(name for name, _ in layout.slots), logical_shape=layout.outer_shape,
-                )
-            )
-        return slots, GatherMetadata(fqn=weight.fqn, phase=phase, orientations=orientations, layout=layout)
-
-    def post_all_gather(
-        self,
-        weight: QuantizedWeightTensor,
-        all_gather_outputs: tuple[torch.Tensor, ...],
-        metadata: Any,
-        param_dtype: torch.dtype,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> tuple[GatheredWeightTensor, tuple[torch.Tensor, ...]] | None:
-        """Rebuild the full logical weight from the gathered slots (views; refill ``out`` in place).
-
-        Args:
-            all_gather_outputs: One tensor per slot, ``[W * S0, *rest]`` or ``[W * capacity]``.
-            metadata: The :class:`GatherMetadata` the pre hook returned on this rank.
-            param_dtype: Logical dtype of the gathered weight (FSDP2's ``param_dtype``).
-            out: The gathered weight of an earlier call: its storage is re-pointed, nothing
-                returned.
-
-        Returns:
-            ``(weight, inner_tensors)`` on the first call (``inner_tensors``: the buffers FSDP2
-            frees at reshard and re-allocates before the next gather), ``None`` with ``out``.
-
-        Raises:
-            ValueError: metadata of another weight/layout; slot count, order, shape or dtype
-                disagreeing with the layout; HiF8 dense scales differing between ranks.
-            TypeError: ``out`` is not a :class:`GatheredWeightTensor`.
-        """
-        if not isinstance(metadata, GatherMetadata):
-            raise ValueError(
-                f"fsdp_post_all_gather({weight.fqn!r}): metadata must be the GatherMetadata of fsdp_pre_all_gather, "
-                f"got {type(metadata).__name__}."
-            )
-        layout = metadata.layout
-        expected = gather_layout(
-            weight.format, weight.kind, layout.outer_shape, layout.world_size, _policy(weight), layout.shard_dim
+    Raises:
+        ValueError: storage not built, not a Shard(0)/Shard(1) shard, a shard breaking the format's
+            rule (MXFP8: §9.1), or
+            storage tensors that disagree with the declared schema.
+    """
+    world_size, rank = mesh.size(), mesh.get_local_rank()
+    shard_dim = _shard_dim(tuple(weight.shape), tuple(outer_size))
+    layout = gather_layout(weight.format, weight.kind, tuple(outer_size), world_size, policy, shard_dim)
+    local_rows = layout.local_rows[rank]
+    expected_local = layout.local_shape(rank)
+    if tuple(weight.shape) != expected_local:
+        raise ValueError(
+            f"fsdp_pre_all_gather({weight.fqn!r}): local shard {tuple(weight.shape)} is not the Shard({shard_dim}) "
+            f"shard {expected_local} of {layout.outer_shape} on rank {rank} of {world_size}; low-precision weights "
+            "support FSDP2 Shard(0) and, where their format allows it, Shard(1) (integration.plan_low_precision_sharding)."
         )
-        if layout != expected or metadata.fqn != weight.fqn:
-            raise ValueError(
-                f"fsdp_post_all_gather({weight.fqn!r}): metadata describes {metadata.fqn!r} with {layout}, this weight "
-                f"expects {expected}."
-            )
-        scratch = None
-        if out is not None:
-            if not isinstance(out, GatheredWeightTensor):
-                raise TypeError(
-                    f"fsdp_post_all_gather({weight.fqn!r}): out must be a GatheredWeightTensor, got {type(out).__name__}."
-                )
-            scratch = out._state.scale_scratch
-        storage, scratch = layout.unpack(tuple(all_gather_outputs), metadata.orientations, scratch, fqn=weight.fqn)
-        if out is not None and (tuple(out.shape) != layout.outer_shape or out.dtype != param_dtype):
-            raise ValueError(
-                f"fsdp_post_all_gather({weight.fqn!r}): out is {tuple(out.shape)} {out.dtype}, expected "
-                f"{layout.outer_shape} {param_dtype}."
-            )
-        if _GATHER_OBSERVERS:
-            _GATHER_OBSERVERS.notify(
-                GatherEvent(
-                    fqn=weight.fqn, phase=metadata.phase, orientations=metadata.orientations,
-                    tensors=tuple(storage.values()), local=layout.world_size == 1, stage="post_all_gather",
-                    names=tuple(storage), logical_shape=layout.outer_shape, logical_dtype=param_dtype,
-                )
-            )
-        if out is not None:
-            out._state.storage = storage
-            out._state.orientations = metadata.orientations
-            out._state.scale_scratch = scratch
-            return None
-        gathered = GatheredWeightTensor(
-            layout.outer_shape,
-            logical_dtype=param_dtype,
-            recipe=weight.recipe,
-            kind=weight.kind,
-            fqn=weight.fqn,
-            state=_WeightState(storage, 0, metadata.orientations, scratch),
-            device=all_gather_outputs[0].device if all_gather_outputs else weight.device,
+    if not weight.is_built:
+        raise ValueError(
+            f"fsdp_pre_all_gather({weight.fqn!r}): the low-precision shard was never built; call "
+            "lp_lightning.integration.refresh_low_precision_weights(model.parameters()) after fully_shard (design spec §10)."
         )
-        inner = tuple(all_gather_outputs) + ((scratch,) if scratch is not None else ())
-        return gathered, inner
+    first = weight.gather_memo.setdefault("layout", layout)
+    if first != layout:
+        raise ValueError(
+            f"fsdp_pre_all_gather({weight.fqn!r}): the gather schema changed since the first all-gather "
+            f"({first} -> {layout}); FSDP2 sized its buffers from the first call."
+        )
+    phase = current_gather_phase()
+    orientations = layout.orientations_for(phase)
+    slots = layout.pack(dict(weight.low_precision_storage), orientations, local_rows, fqn=weight.fqn)
+    if _GATHER_OBSERVERS:
+        _GATHER_OBSERVERS.notify(
+            GatherEvent(
+                fqn=weight.fqn, phase=phase, orientations=orientations, tensors=slots, local=world_size == 1,
+                names=tuple(name for name, _ in layout.slots), logical_shape=layout.outer_shape,
+            )
+        )
+    return slots, GatherMetadata(fqn=weight.fqn, phase=phase, orientations=orientations, layout=layout)
 
+def _post_all_gather(
+    policy: GatherPolicy,
+    weight: QuantizedWeightTensor,
+    all_gather_outputs: tuple[torch.Tensor, ...],
+    metadata: Any,
+    param_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
+) -> tuple[GatheredWeightTensor, tuple[torch.Tensor, ...]] | None:
+    """Rebuild the full logical weight from the gathered slots (views; refill ``out`` in place).
 
+    Args:
+        all_gather_outputs: One tensor per slot, ``[W * S0, *rest]`` or ``[W * capacity]``.
+        metadata: The :class:`GatherMetadata` the pre hook returned on this rank.
+        param_dtype: Logical dtype of the gathered weight (FSDP2's ``param_dtype``).
+        out: The gathered weight of an earlier call: its storage is re-pointed, nothing
+            returned.
 
-set_gather_extension(GatherExtension())
+    Returns:
+        ``(weight, inner_tensors)`` on the first call (``inner_tensors``: the buffers FSDP2
+        frees at reshard and re-allocates before the next gather), ``None`` with ``out``.
+
+    Raises:
+        ValueError: metadata of another weight/layout; slot count, order, shape or dtype
+            disagreeing with the layout; HiF8 dense scales differing between ranks.
+        TypeError: ``out`` is not a :class:`GatheredWeightTensor`.
+    """
+    if not isinstance(metadata, GatherMetadata):
+        raise ValueError(
+            f"fsdp_post_all_gather({weight.fqn!r}): metadata must be the GatherMetadata of fsdp_pre_all_gather, "
+            f"got {type(metadata).__name__}."
+        )
+    layout = metadata.layout
+    expected = gather_layout(
+        weight.format, weight.kind, layout.outer_shape, layout.world_size, policy, layout.shard_dim
+    )
+    if layout != expected or metadata.fqn != weight.fqn:
+        raise ValueError(
+            f"fsdp_post_all_gather({weight.fqn!r}): metadata describes {metadata.fqn!r} with {layout}, this weight "
+            f"expects {expected}."
+        )
+    scratch = None
+    if out is not None:
+        if not isinstance(out, GatheredWeightTensor):
+            raise TypeError(
+                f"fsdp_post_all_gather({weight.fqn!r}): out must be a GatheredWeightTensor, got {type(out).__name__}."
+            )
+        scratch = out.gather_memo.get("scale_scratch")
+    storage, scratch = layout.unpack(tuple(all_gather_outputs), metadata.orientations, scratch, fqn=weight.fqn)
+    if out is not None and (tuple(out.shape) != layout.outer_shape or out.dtype != param_dtype):
+        raise ValueError(
+            f"fsdp_post_all_gather({weight.fqn!r}): out is {tuple(out.shape)} {out.dtype}, expected "
+            f"{layout.outer_shape} {param_dtype}."
+        )
+    if _GATHER_OBSERVERS:
+        _GATHER_OBSERVERS.notify(
+            GatherEvent(
+                fqn=weight.fqn, phase=metadata.phase, orientations=metadata.orientations,
+                tensors=tuple(storage.values()), local=layout.world_size == 1, stage="post_all_gather",
+                names=tuple(storage), logical_shape=layout.outer_shape, logical_dtype=param_dtype,
+            )
+        )
+    if out is not None:
+        out.repoint(storage, metadata.orientations)
+        out.gather_memo["scale_scratch"] = scratch
+        return None
+    gathered = GatheredWeightTensor.from_gathered(
+        layout.outer_shape,
+        logical_dtype=param_dtype,
+        recipe=weight.recipe,
+        kind=weight.kind,
+        fqn=weight.fqn,
+        storage=storage,
+        orientations=metadata.orientations,
+        device=all_gather_outputs[0].device if all_gather_outputs else weight.device,
+        gather_memo={"scale_scratch": scratch},
+    )
+    inner = tuple(all_gather_outputs) + ((scratch,) if scratch is not None else ())
+    return gathered, inner

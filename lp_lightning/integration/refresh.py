@@ -141,7 +141,7 @@ def refresh_low_precision_weights(
         if local is None:
             skipped += 1
             continue
-        key = id(local._state)
+        key = local.state_key
         if key in seen:
             raise ValueError(
                 f"refresh_low_precision_weights: weight {local.fqn!r} appears twice (also as {seen[key]!r}); each "
@@ -174,17 +174,17 @@ def refresh_low_precision_weights(
     reduces = 0
     for group, weights in by_group.values():
         amax = torch.stack([w.local_amax() for w in weights])
-        local_amax.update((id(w._state), value) for w, value in zip(weights, amax.unbind(0)))
+        local_amax.update((w.state_key, value) for w, value in zip(weights, amax.unbind(0)))
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         reduces += 1
         for w, value in zip(weights, amax.unbind(0)):
-            amax_for[id(w._state)] = value
+            amax_for[w.state_key] = value
     master_amax = tuple(
-        local_amax[id(local._state)] if id(local._state) in local_amax else _master_amax(local) for _, local in entries
+        local_amax[local.state_key] if local.state_key in local_amax else _master_amax(local) for _, local in entries
     )
     for _, local in entries:
-        local.refresh_from_master(amax=amax_for.get(id(local._state)))
+        local.refresh_from_master(amax=amax_for.get(local.state_key))
     return RefreshReport(
         refreshed=tuple(local.fqn for _, local in entries), skipped=skipped, amax_all_reduces=reduces,
         master_amax=master_amax,

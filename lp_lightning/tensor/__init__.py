@@ -7,6 +7,7 @@
 The FSDP2/optimizer/DCP lifecycle of these tensors is :mod:`lp_lightning.integration`.
 """
 
+from lp_lightning.tensor.base import GatherSpec
 from lp_lightning.tensor.storage import add_refresh_observer, storage_spec, total_refresh_count
 from lp_lightning.tensor.weight import (
     GatheredWeightTensor,
@@ -17,6 +18,7 @@ from lp_lightning.tensor.weight import (
 )
 
 __all__ = [
+    "GatherSpec",
     "GatheredWeightTensor",
     "QuantizedWeightTensor",
     "add_refresh_observer",

@@ -1,4 +1,4 @@
-"""Shared machinery of the low-precision weight classes: state, dispatch table, the gather-extension slot.
+"""Shared machinery of the low-precision weight classes: state, dispatch table, the gather spec protocol.
 
 ``_LowPrecisionWeightBase`` declares the inner tensors once (flatten/unflatten/repr are generated
 from the declaration), implements ``select(orientation)`` over the declared storage, and routes
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -23,35 +23,37 @@ from lp_lightning.formats.recipe import LowPrecisionRecipe
 from lp_lightning.formats.spec import ORIENTATIONS, Orientation, WeightKind
 from lp_lightning.tensor.storage import ALL_STORAGE_NAMES, storage_names
 
-__all__ = ["gather_extension", "is_low_precision_weight", "set_gather_extension", "weight_quantizer"]
+__all__ = ["GatherSpec", "is_low_precision_weight", "weight_quantizer"]
 
 aten = torch.ops.aten
 
 _ORIENTATIONS = ORIENTATIONS
 
-_GATHER_EXTENSION: Any = None
 
+@runtime_checkable
+class GatherSpec(Protocol):
+    """How FSDP2 all-gathers one low-precision weight: the two hooks its ``fsdp_*_all_gather`` forward to.
 
-def set_gather_extension(extension: Any) -> None:
-    """Install the FSDP2 gather extension (an object with ``pre_all_gather(weight, mesh, outer_size,
-    outer_stride, module, mp_policy)`` and ``post_all_gather(weight, outputs, metadata, param_dtype,
-    out=None)``); the lifecycle layer does this when imported."""
-    global _GATHER_EXTENSION
-    _GATHER_EXTENSION = extension
-
-
-def gather_extension() -> Any:
-    """The installed gather extension.
-
-    Raises:
-        RuntimeError: none is installed (``lp_lightning.integration`` was never imported).
+    A weight carries its spec (``QuantizedWeightTensor.gather_policy``), set when the lifecycle layer
+    finalizes it (``lp_lightning.integration.finalize_low_precision_weights``; the implementation is
+    ``lp_lightning.integration.GatherPolicy``); a weight without one refuses to be gathered. The spec
+    may keep per-weight notes (the first gather's schema, scratch buffers) in the weight's
+    :attr:`~_LowPrecisionWeightBase.gather_memo`.
     """
-    if _GATHER_EXTENSION is None:
-        raise RuntimeError(
-            "FSDP2 gathered a low-precision weight but no gather extension is installed; import "
-            "lp_lightning.integration (finalize_low_precision_weights does) before fully_shard."
-        )
-    return _GATHER_EXTENSION
+
+    def pre_all_gather(
+        self, weight: Any, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """The all-gather inputs of the local shard (``uint8`` slots) and their metadata."""
+        ...
+
+    def post_all_gather(
+        self, weight: Any, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
+        *, out: torch.Tensor | None = None,
+    ) -> tuple[Any, tuple[torch.Tensor, ...]] | None:
+        """The gathered weight over the all-gather outputs (``None`` when ``out`` was refilled in place)."""
+        ...
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,22 +63,21 @@ def gather_extension() -> Any:
 class _WeightState:
     """Mutable state shared by a weight and its aliases (rule 1): storage tensors and counters."""
 
-    __slots__ = ("gather_layout", "gather_policy", "orientations", "refresh_count", "scale_scratch", "storage")
+    __slots__ = ("gather_memo", "gather_policy", "orientations", "refresh_count", "storage")
 
     def __init__(
         self,
         storage: dict[str, torch.Tensor] | None = None,
         refresh_count: int = 0,
         orientations: tuple[Orientation, ...] = _ORIENTATIONS,
-        scale_scratch: torch.Tensor | None = None,
-        gather_policy: Any = None,
+        gather_policy: GatherSpec | None = None,
+        gather_memo: dict[str, Any] | None = None,
     ) -> None:
         self.storage = storage
         self.refresh_count = refresh_count
         self.orientations = orientations
-        self.scale_scratch = scale_scratch  # gather extension: scale bytes copied out of the gather
-        self.gather_policy = gather_policy  # gather extension's per-weight settings (None: its default)
-        self.gather_layout: Any = None  # gather extension: the schema of this weight's first FSDP2 gather
+        self.gather_policy = gather_policy  # the weight's GatherSpec (None: never finalized for FSDP2)
+        self.gather_memo: dict[str, Any] = {} if gather_memo is None else gather_memo  # the spec's notes
 
 
 _OpHandler = Callable[[type, Any, tuple, dict], Any]
@@ -150,6 +151,16 @@ class _LowPrecisionWeightBase(torch.Tensor):
     def low_precision_storage(self) -> Mapping[str, torch.Tensor]:
         """Read-only ``{name: tensor}`` of the built storage (names of :func:`storage_spec`); empty if unbuilt."""
         return MappingProxyType(dict(self._state.storage or {}))
+
+    @property
+    def state_key(self) -> int:
+        """Identity of the state this weight shares with its aliases (views, FSDP2's shard wrappers)."""
+        return id(self._state)
+
+    @property
+    def gather_memo(self) -> dict[str, Any]:
+        """The gather spec's per-weight notes (shared by aliases; empty until the first all-gather)."""
+        return self._state.gather_memo
 
     @property
     def is_built(self) -> bool:

@@ -1,4 +1,4 @@
-"""``GatheredWeightTensor``: the unsharded compute weight the FSDP2 gather extension rebuilds (no master)."""
+"""``GatheredWeightTensor``: the unsharded compute weight a weight's gather spec rebuilds after FSDP2's all-gather (no master)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class GatheredWeightTensor(_LowPrecisionWeightBase):
 
     Attributes:
         recipe, kind, fqn: As the sharded :class:`QuantizedWeightTensor`.
-        orientations: The orientations this gather carried (the gather extension's policy).
+        orientations: The orientations this gather carried (the gather spec's choice).
     """
 
     tensor_attribute_names: ClassVar[tuple[str, ...]] = ("recipe", "kind", "fqn", "logical_dtype")
@@ -65,6 +65,35 @@ class GatheredWeightTensor(_LowPrecisionWeightBase):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
+
+    @classmethod
+    def from_gathered(
+        cls,
+        shape: tuple[int, ...],
+        *,
+        logical_dtype: torch.dtype,
+        recipe: LowPrecisionRecipe,
+        kind: WeightKind,
+        fqn: str,
+        storage: dict[str, torch.Tensor],
+        orientations: tuple[Orientation, ...],
+        device: torch.device,
+        gather_memo: dict[str, Any] | None = None,
+    ) -> GatheredWeightTensor:
+        """The gathered weight over ``storage`` (views of FSDP2's all-gather outputs) as a gather spec builds it.
+
+        Args:
+            shape: The full logical shape; ``logical_dtype``: FSDP2's ``param_dtype``.
+            storage: ``{name: tensor}`` of the declared storage for ``orientations``.
+            gather_memo: The gather spec's notes for this gathered weight (e.g. a scratch buffer).
+        """
+        state = _WeightState(storage, 0, orientations, gather_memo=gather_memo)
+        return cls(shape, logical_dtype=logical_dtype, recipe=recipe, kind=kind, fqn=fqn, state=state, device=device)
+
+    def repoint(self, storage: dict[str, torch.Tensor], orientations: tuple[Orientation, ...]) -> None:
+        """Points this gathered weight (and its aliases) at the storage of a new all-gather (FSDP2's ``out=`` refill)."""
+        self._state.storage = storage
+        self._state.orientations = orientations
 
     @property
     def orientations(self) -> tuple[Orientation, ...]:

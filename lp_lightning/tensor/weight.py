@@ -55,10 +55,10 @@ aliases (rule 1) and ``zeros_like``/``empty_like``/``new_zeros`` (FSDP2's zero g
 unused parameter; plain results) are allowed, everything else raises.
 
 FSDP2. torch's FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the sharded
-local tensor. The weight forwards both to the *gather extension* the lifecycle layer installs
-(:func:`set_gather_extension`; ``lp_lightning.integration.gather`` does on import), which owns the
-gather schema, the phase and the unpacking; the weight only keeps the extension's per-weight
-settings (``gather_policy``) and state. A weight gathered without an extension raises.
+local tensor. The weight forwards both to its own *gather spec* (:class:`~lp_lightning.tensor.base.GatherSpec`,
+``gather_policy``), which the lifecycle layer sets when it finalizes the weight
+(``lp_lightning.integration.GatherPolicy``) and which owns the gather schema, the phase and the
+unpacking (its per-weight notes live in ``gather_memo``). A weight without a spec refuses to be gathered.
 
 Tensor-name legend: ``w_NK`` dense weight (N out-features, K in-features), ``w_ENK`` grouped HF
 parameter, ``w_EKN`` its GMM view, ``D0`` the sharded (first) dim of the parameter, ``W`` the
@@ -84,9 +84,8 @@ from lp_lightning.tensor.base import (
     _mutated_args,
     _OpHandler,
     _WeightState,
-    gather_extension,
+    GatherSpec,
     is_low_precision_weight,
-    set_gather_extension,
     weight_quantizer,
 )
 from lp_lightning.tensor.gathered import GatheredWeightTensor
@@ -95,10 +94,8 @@ from lp_lightning.tensor.storage import note_refresh, storage_names, storage_spe
 __all__ = [
     "GatheredWeightTensor",
     "QuantizedWeightTensor",
-    "gather_extension",
     "is_low_precision_weight",
     "is_master_of",
-    "set_gather_extension",
     "weight_quantizer",
 ]
 
@@ -121,7 +118,8 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         recipe: The ``LowPrecisionRecipe`` whose WEIGHT quantizer builds the storage.
         kind: ``WeightKind.DENSE`` or ``WeightKind.GROUPED``.
         fqn: Parameter FQN (for messages and probes; ``""`` if unknown).
-        gather_policy: The gather extension's per-weight settings (``lp_lightning.integration.GatherPolicy``).
+        gather_policy: The weight's :class:`~lp_lightning.tensor.base.GatherSpec` (``lp_lightning.integration.GatherPolicy``,
+            set at finalize); ``None``: the weight cannot be all-gathered by FSDP2.
     """
 
     tensor_data_names: ClassVar[tuple[str, ...]] = ("master",)
@@ -138,7 +136,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         recipe: LowPrecisionRecipe,
         kind: WeightKind,
         fqn: str = "",
-        gather_policy: Any = None,
+        gather_policy: GatherSpec | None = None,
         state: _WeightState | None = None,
         requires_grad: bool = False,
     ) -> QuantizedWeightTensor:
@@ -164,13 +162,15 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         return self
 
     @property
-    def gather_policy(self) -> Any:
-        """The gather extension's settings (shared by aliases; fixed once FSDP2 gathered the weight)."""
+    def gather_policy(self) -> GatherSpec | None:
+        """The weight's gather spec (shared by aliases; fixed once FSDP2 gathered the weight)."""
         return self._state.gather_policy
 
     @gather_policy.setter
-    def gather_policy(self, policy: Any) -> None:
-        if self._state.gather_layout is not None and policy != self._state.gather_policy:
+    def gather_policy(self, policy: GatherSpec | None) -> None:
+        if policy is not None and not isinstance(policy, GatherSpec):
+            raise TypeError(f"{self.fqn!r}: gather_policy must be a GatherSpec (pre/post_all_gather), got {type(policy).__name__}.")
+        if self._state.gather_memo and policy != self._state.gather_policy:
             raise ValueError(
                 f"{self.fqn!r}: the gather policy cannot change after the first FSDP2 all-gather (FSDP2 sized the "
                 "all-gather buffers from the first call); set it before the first forward."
@@ -208,7 +208,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
             recipe: A ``LowPrecisionRecipe`` or a format name (``"mxfp8_e4m3"``, ``"hif8"``).
             kind: ``"dense"`` or ``"grouped"``.
             fqn: Parameter FQN for messages and probes.
-            gather_policy: The gather extension's settings (``lp_lightning.integration.GatherPolicy``).
+            gather_policy: The weight's gather spec (``lp_lightning.integration.GatherPolicy``); ``None``: none yet.
             requires_grad: ``requires_grad`` of the wrapper.
 
         Returns:
@@ -234,7 +234,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
     ) -> None:
         """(Re)build the low-precision storage from the master: the only way it changes (design spec §10, §13.4).
 
-        One dual quantisation (``lp_lightning.ops.quantize_dual``, on the backend in force) of the
+        One dual quantisation (``lp_lightning.ops.quantize_dual``, on the recipe's backend) of the
         dense weight or of the grouped GMM view with the recipe's weight quantizer. A weight whose
         scale is per tensor (``AmaxScope.TENSOR``, HiF8 dense) may take a precomputed ``amax`` (the
         MAX over its FSDP group, design spec §9.2); per-block and per-group scales are local.
@@ -277,7 +277,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         """The master's storage: a weight's bytes in memory are its master's (FSDP2 compares it)."""
         return self.master.untyped_storage()
 
-    # -- FSDP2 extension (torch calls these on the local shard; the lifecycle layer answers) ----
+    # -- FSDP2 extension (torch calls these on the local shard; the weight's gather spec answers) ----
     def fsdp_pre_all_gather(
         self,
         mesh: Any,
@@ -286,8 +286,8 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """FSDP2's pre-all-gather hook: the installed gather extension's physical tensors (design spec §9, §13.5)."""
-        return gather_extension().pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        """FSDP2's pre-all-gather hook: the gather spec's physical tensors (design spec §9, §13.5)."""
+        return self._gather_spec().pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
 
     def fsdp_post_all_gather(
         self,
@@ -297,8 +297,17 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[GatheredWeightTensor, tuple[torch.Tensor, ...]] | None:
-        """FSDP2's post-all-gather hook: the installed gather extension rebuilds the full weight."""
-        return gather_extension().post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+        """FSDP2's post-all-gather hook: the gather spec rebuilds the full weight."""
+        return self._gather_spec().post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+
+    def _gather_spec(self) -> GatherSpec:
+        spec = self._state.gather_policy
+        if spec is None:
+            raise RuntimeError(
+                f"FSDP2 all-gathers low-precision weight {self.fqn!r} {tuple(self.shape)}, which has no gather spec; "
+                "finalize it with lp_lightning.integration.finalize_low_precision_weights before fully_shard."
+            )
+        return spec
 
     # -- dispatch rules 4, 6, 7 --------------------------------------------------------------
     @classmethod
@@ -373,7 +382,7 @@ def _quantize_storage(
     if master.numel() == 0:  # an empty FSDP2 shard: the portable codec keeps the declared schema
         row, col = quantizer.quantize_dual(view, amax=amax)
     else:
-        row, col = quantize_dual(quantizer, view, amax=amax, role="weight", weight_fqn=fqn)
+        row, col = quantize_dual(quantizer, view, amax=amax, role="weight", weight_fqn=fqn, backend=recipe.backend)
     storage: dict[str, torch.Tensor] = {}
     for operand in (row, col) if spec.physical_orientation else (row,):
         data_name, scale_name = storage_names(spec, operand.orientation)

@@ -356,7 +356,7 @@ def test_post_rejects_outputs_that_disagree_with_the_schema():
 
 def test_post_checks_that_hif8_dense_scales_agree_across_ranks():
     full = torch.randn(64, 96)
-    weight = QuantizedWeightTensor.from_master(full, recipe="hif8", kind="dense", fqn="w")
+    weight = QuantizedWeightTensor.from_master(full, recipe="hif8", kind="dense", fqn="w", gather_policy=SINGLE)
     shards = _fsdp_shards(weight, 2)
     for s in shards:
         s.refresh_from_master()  # local amax only: the two scales differ
@@ -367,20 +367,29 @@ def test_post_checks_that_hif8_dense_scales_agree_across_ranks():
 
 
 def test_pre_hook_errors():
-    weight = QuantizedWeightTensor.from_master(torch.randn(128, 64), recipe="mxfp8_e4m3", kind="dense", fqn="w")
+    weight = QuantizedWeightTensor.from_master(
+        torch.randn(128, 64), recipe="mxfp8_e4m3", kind="dense", fqn="w", gather_policy=SINGLE
+    )
     shard = _fsdp_shards(weight, 2)[0]
     with pytest.raises(ValueError, match="never built"):
         shard.fsdp_pre_all_gather(_FakeMesh(2, 0), weight.shape, weight.stride(), None, None)
     shard.refresh_from_master()
     with pytest.raises(ValueError, match=r"is not the Shard\(0\) shard \(64, 32\) of \(128, 32\)"):
         shard.fsdp_pre_all_gather(_FakeMesh(2, 0), torch.Size([128, 32]), (32, 1), None, None)
-    illegal = _fsdp_shards(QuantizedWeightTensor.from_master(torch.randn(96, 64), recipe="mxfp8_e4m3", kind="dense"), 2)[0]
+    illegal = _fsdp_shards(
+        QuantizedWeightTensor.from_master(torch.randn(96, 64), recipe="mxfp8_e4m3", kind="dense", gather_policy=SINGLE), 2
+    )[0]
     illegal.refresh_from_master()
     with pytest.raises(ValueError, match=r"M_local % 64 == 0 fails: rows per rank \[48, 48\]"):
         illegal.fsdp_pre_all_gather(_FakeMesh(2, 0), torch.Size([96, 64]), (64, 1), None, None)
     shard.fsdp_pre_all_gather(_FakeMesh(2, 0), weight.shape, weight.stride(), None, None)
     with pytest.raises(ValueError, match="cannot change after the first FSDP2 all-gather"):
         shard.gather_policy = BOTH
+    bare = _fsdp_shards(QuantizedWeightTensor.from_master(torch.randn(128, 64), recipe="mxfp8_e4m3", kind="dense",
+                                                          fqn="bare"), 2)[0]
+    bare.refresh_from_master()
+    with pytest.raises(RuntimeError, match=r"'bare' \(64, 64\), which has no gather spec; finalize it"):
+        bare.fsdp_pre_all_gather(_FakeMesh(2, 0), weight.shape, weight.stride(), None, None)
     shard._state.storage["col_scale"] = shard._state.storage["col_scale"][:1]  # storage off its declared schema
     with pytest.raises(ValueError, match=r"storage 'col_scale' is \(1, 64\) .* the schema says \(2, 64\)"):
         _in_backward(lambda: shard.fsdp_pre_all_gather(_FakeMesh(2, 0), weight.shape, weight.stride(), None, None))
