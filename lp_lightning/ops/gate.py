@@ -21,8 +21,8 @@ Backend choice (the ``backend:`` key, ``--backend``):
 In ``bf16`` no low-precision op runs (backend ``"none"``); on the ``npu`` accelerator the gate
 still checks the hardware rows that do not depend on a format (torch_npu installed, its version
 matching torch, an NPU visible). The result is printed once (rank zero) and recorded in
-``run_summary.json`` under ``startup_gate``; the chosen backend is then selected for the process
-(:func:`~lp_lightning.ops.backend.set_backend`) by the precision plugin.
+``run_summary.json`` under ``startup_gate``; the precision plugin then builds the run's recipes
+with the chosen backend (``LowPrecisionPolicy.backend``), so every op call of the run names it.
 """
 
 from __future__ import annotations
