@@ -27,13 +27,14 @@ leaves out) next to the probe's at the measured peak (rank of the maximum): ``ma
 loss and refresh temporaries) faces the planner's ``activations + loss_logits``.
 
 Then a markdown table (machine, threads, load, measurement) is written to ``--markdown`` and, with
-``--readme``, put into README.md between ``<!-- planner-vs-measured table -->`` and
-``<!-- /planner-vs-measured table -->``. ``--reuse`` reads a finished run's ``run_summary.json``
-instead of training again (same command), e.g. after a planner change.
+``--readme docs/planner.md``, put into that page ("Planner vs measured") between
+``<!-- planner-vs-measured table -->`` and ``<!-- /planner-vs-measured table -->``. ``--reuse``
+reads a finished run's ``run_summary.json`` instead of training again (same command), e.g. after a
+planner change.
 
 Example (from the repository root; about 15 minutes on 2 busy cores)::
 
-    python benchmarks/planner_vs_measured.py --readme README.md
+    python benchmarks/planner_vs_measured.py --readme docs/planner.md
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def _machine() -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The README tables with their context (machine, threads, load, measurement)."""
+    """The docs/planner.md tables with their context (machine, threads, load, measurement)."""
     loads = [v[0] for r in rows for v in r["load_average"].values() if v]
     threads = sorted({(r["threads"]["torch_intra_op"], r["threads"]["OMP_NUM_THREADS"]) for r in rows})
     intro = (
@@ -203,7 +204,7 @@ def insert_into_readme(readme: Path, table: str) -> None:
     """Put ``table`` after the placeholder (replacing an earlier table).
 
     Raises:
-        ValueError: the README has no ``<!-- planner-vs-measured table -->`` line.
+        ValueError: the page has no ``<!-- planner-vs-measured table -->`` line.
     """
     text = readme.read_text()
     if MARK_BEGIN not in text:
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", default="bf16,mxfp8,hif8")
     parser.add_argument("--out", default=str(REPO / "runs" / "planner_vs_measured"), help="folder of the runs")
     parser.add_argument("--markdown", default=None, help="write the table here (default: <out>/table.md)")
-    parser.add_argument("--readme", default=None, help="also put the table into this README (placeholder)")
+    parser.add_argument("--readme", default=None, help="also put the table into this page's markers (docs/planner.md)")
     parser.add_argument("--reuse", action="store_true", help="read finished runs instead of training again")
     args = parser.parse_args(argv)
     out = Path(args.out)

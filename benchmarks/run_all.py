@@ -1,4 +1,4 @@
-"""Issue 14's benchmark suite: every performance figure in one run, written to results.json and the READMEs.
+"""Issue 14's benchmark suite: every performance figure in one run, written to results.json and the docs.
 
 Runs, in this order (``benchmarks/README.md`` "run_all.py" says how each figure is computed):
 
@@ -19,7 +19,7 @@ The suite's own wall time is a figure too (``suite/wall_time`` ≤ 900 s, issue 
 Then it applies the accounts of unmet figures (``benchmarks/suite/accounts.py``), writes
 ``--results`` (default ``benchmarks/results.json``) and puts the table between the
 ``<!-- results:begin -->`` / ``<!-- results:end -->`` markers of each ``--readme`` (default
-``benchmarks/README.md`` and ``README.md``). ``--render-only`` re-applies the accounts to an existing
+``benchmarks/README.md`` and ``docs/performance.md``). ``--render-only`` re-applies the accounts to an existing
 results file and re-renders the tables without measuring. ``--quick`` is the smoke mode the test
 suite runs (one width, one process for step times, short runs, small codec/GEMM sizes).
 
@@ -82,8 +82,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke mode (module docstring)")
     parser.add_argument("--results", type=Path, default=_HERE / "results.json", help="results.json to write")
     parser.add_argument("--readme", type=Path, action="append", default=None,
-                        help="README to put the table in (repeatable; default benchmarks/README.md and README.md)")
-    parser.add_argument("--no-readme", action="store_true", help="write no README table")
+                        help="page to put the table in (repeatable; default benchmarks/README.md, docs/performance.md)")
+    parser.add_argument("--no-readme", action="store_true", help="write the table into no page")
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "benchmarks", help="folder of the runs")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS of the training runs and threads of the codec/GEMM scripts "
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_accounts(results["figures"])
     write_results(args.results, results)
     block = markdown(results)
-    readmes = [] if args.no_readme else (args.readme or [_HERE / "README.md", REPO / "README.md"])
+    readmes = [] if args.no_readme else (args.readme or [_HERE / "README.md", REPO / "docs" / "performance.md"])
     for readme in readmes:
         insert_between_markers(readme, block)
     _log(f"wrote {args.results} and {', '.join(map(str, readmes)) or 'no README'}; "

@@ -4,7 +4,7 @@ What ``notebooks/walkthrough.ipynb`` runs (one process per format); run it yours
 
     python notebooks/fabric_walkthrough.py --precision hif8 --out runs/fabric_hif8
 
-Fabric does what the Trainer does for ``lp-lightning fit`` (README "From Python: Trainer and
+Fabric does what the Trainer does for ``lp-lightning fit`` (docs/usage.md "From Python: Trainer and
 Fabric"): ``fabric.launch()`` runs the startup gate and starts the process group (gloo on CPU);
 ``fabric.setup_module`` converts the planned modules (design spec §5), upcasts to FP32 masters,
 applies FSDP2 and builds the low-precision shards; ``fabric.setup_optimizers`` accepts only

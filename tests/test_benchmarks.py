@@ -2,7 +2,8 @@
 
 The quick mode runs every figure's code path on tiny sizes (real CLI runs, real codec and GEMM
 scripts) into a temporary folder; the checks are on the schema, on every figure being present, on
-the byte figures' internal consistency and on the README table rendering. No timing is asserted.
+the byte figures' internal consistency and on the results table rendering (``docs/performance.md``,
+``benchmarks/README.md``). No timing is asserted.
 """
 
 from __future__ import annotations
@@ -71,6 +72,25 @@ def test_insert_between_markers(tmp_path):
     readme.write_text(f"{prose}## Results\n{MARK_BEGIN}\nold\n{MARK_END}\ntail\n")
     insert_between_markers(readme, "new\n")
     assert readme.read_text() == f"{prose}## Results\n{MARK_BEGIN}\nnew\n{MARK_END}\ntail\n"
+
+
+def test_markdown_prints_each_account_once_with_the_figures_it_covers():
+    slow = dict(target=1.5, criterion="ratio <= target", unit="s")
+    figures = {f"step_time/mxfp8/w{w}/p1": figure(3.0, 1.0, **slow) for w in (256, 512)}
+    figures |= {"step_time/hif8/w256/p1": figure(3.0, 1.0, **slow),
+                "wire/mxfp8": figure(1.0, 2.0, target=0.53, criterion="ratio <= target", unit="bytes")}
+    apply_accounts(figures, {"step_time/mxfp8/*": "GEMM decode 22%", "step_time/hif8/*": "FP32 GEMMs"})
+    machine = {"cpu_model": "cpu", "physical_cores": 2, "logical_cpus": 2, "usable_cpus": 2,
+               "load_average_start": [1.0], "load_average_end": [1.0], "torch": "2.13", "torchao": "0.18",
+               "versions": {}, "date_utc": "today"}
+    settings = {"widths": [256, 512], "processes": [1], "omp_num_threads": 1, "threads_per_run": [1]}
+    block = markdown({"machine": machine, "settings": settings, "elapsed_s": 1.0, "figures": figures})
+    accounts = block.split("Unmet figures and their accounts:\n\n")[1]
+    assert accounts.count("GEMM decode 22%") == 1 and accounts.count("FP32 GEMMs") == 1
+    assert "- `step_time/mxfp8/w256/p1`, `step_time/mxfp8/w512/p1`: GEMM decode 22%" in accounts.replace("\n  ", " ")
+    assert "- `step_time/hif8/w256/p1`: FP32 GEMMs" in accounts and "wire/mxfp8" not in accounts
+    for name in figures:  # every figure still has its table row
+        assert f"| `{name}` |" in block
 
 
 @pytest.mark.slow

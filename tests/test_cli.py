@@ -406,7 +406,7 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
 
 
 def test_ckpt_path_last_on_a_completed_run_exits_0_with_nothing_to_do(tmp_path, capsys, no_model_build):
-    """A job script passes `last` on every restart (README): after the final step it must end cleanly."""
+    """A job script passes `last` on every restart (docs/outputs.md): after the final step it must end cleanly."""
     _fake_checkpoint(tmp_path / "checkpoints" / "step-000020")
     root = ["--trainer.default_root_dir", str(tmp_path)]
     assert main(["fit", *root, "--trainer.max_steps", "20", "--ckpt_path", "last"]) == 0

@@ -3,8 +3,9 @@
 Issue 14 asks every unmet target to carry a profile-based account in results.json. Write it here,
 keyed by figure name or by an ``fnmatch`` pattern (``"step_time/mxfp8/*"``), after profiling the
 run that missed; ``python benchmarks/run_all.py --render-only`` re-applies this table to the
-committed results.json and rewrites the README tables without measuring again. An account is used
-only while its figure is unmet; an unmet figure without one says so in the table.
+committed results.json and rewrites the results tables (benchmarks/README.md, docs/performance.md)
+without measuring again. An account is used only while its figure is unmet; an unmet figure
+without one says so in the table. Figures sharing an account are rendered once, together.
 
 Example entry::
 

@@ -1,8 +1,9 @@
-"""results.json of the benchmark suite and its README table (between marker comments).
+"""results.json of the benchmark suite and its results table (between marker comments).
 
 :func:`markdown` renders every figure of a results dict as one table, with the machine it came
-from above it and the accounts of the unmet figures below it; :func:`insert_between_markers` puts
-it into a README between ``<!-- results:begin -->`` and ``<!-- results:end -->``.
+from above it and, below it, each distinct account of the unmet figures once, after the names of
+the figures it covers; :func:`insert_between_markers` puts it into a page (``benchmarks/README.md``,
+``docs/performance.md``) between ``<!-- results:begin -->`` and ``<!-- results:end -->``.
 """
 
 from __future__ import annotations
@@ -89,8 +90,18 @@ def _machine_line(results: dict[str, Any]) -> str:
     )
 
 
+def _grouped_accounts(names: list[str], figures: dict[str, Any]) -> list[tuple[list[str], str]]:
+    """(figure names, account) of the unmet figures, one entry per distinct account, in table order."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        if figures[name]["met"] is False:
+            groups.setdefault(figures[name].get("account", ""), []).append(name)
+    return [(covered, account) for account, covered in groups.items()]
+
+
 def markdown(results: dict[str, Any]) -> str:
-    """The README block: machine line, the table of every figure, the accounts of unmet figures."""
+    """The results block: machine line, the table of every figure, then each distinct account of the
+    unmet figures once, after the names of the figures it covers."""
     check_schema(results)
     figures = results["figures"]
     names = sorted(figures, key=lambda n: (_rank(n), n))
@@ -103,11 +114,11 @@ def markdown(results: dict[str, Any]) -> str:
             ratio += " (speed-up)"
         lines.append(f"| `{name}` | {_quantity(f['value'], f['unit'])} | {_quantity(f['baseline'], f['unit'])} | "
                      f"{ratio} | {_target(f)} | {_met(f)} | {_spread(f)} |")
-    unmet = [n for n in names if figures[n]["met"] is False]
-    if unmet:
+    accounts = _grouped_accounts(names, figures)
+    if accounts:
         lines += ["", "Unmet figures and their accounts:", ""]
-        lines += [textwrap.fill(f"- `{n}`: {figures[n].get('account', '')}", width=100, subsequent_indent="  ",
-                                break_on_hyphens=False) for n in unmet]
+        lines += [textwrap.fill(f"- {', '.join(f'`{n}`' for n in covered)}: {account}", width=100,
+                                subsequent_indent="  ", break_on_hyphens=False) for covered, account in accounts]
     return "\n".join(lines) + "\n"
 
 

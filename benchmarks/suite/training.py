@@ -167,7 +167,7 @@ def _by(runs: list[Run], **match: Any) -> list[Run]:
 
 
 def step_time_figures(runs: list[Run], widths: list[int], processes: list[int]) -> dict[str, Any]:
-    """``step_time/<p>/w<width>/p<n>`` and ``step_time_growth/<p>/p<n>`` (README "step time")."""
+    """``step_time/<p>/w<width>/p<n>`` and ``step_time_growth/<p>/p<n>`` (benchmarks/README.md "The figures")."""
     figures: dict[str, Any] = {}
     for p in LOW_PRECISIONS:
         for n in processes:

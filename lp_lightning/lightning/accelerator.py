@@ -25,7 +25,7 @@ adds ``"npu"`` to both Lightning registries when torch_npu is *importable*
 torch_npu installed afterwards is seen). Without torch_npu, ``lp-lightning fit --trainer.accelerator
 npu`` fails while parsing with :func:`npu_accelerator_error`'s message (install command and CANN)
 instead of Lightning's list of known names. Install: ``pip install 'lp-lightning[npu]'`` with the
-torch_npu release matching the installed torch and CANN (README, Ascend section).
+torch_npu release matching the installed torch and CANN (docs/ascend.md).
 """
 
 from __future__ import annotations

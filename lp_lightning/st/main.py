@@ -7,7 +7,7 @@ with the same YAML (same seed, data order and effective batch), the Q3-01…Q3-1
 writes the report (:mod:`lp_lightning.st.report`)::
 
     lp-lightning st --config configs/dsv3_tiny.yaml --out runs/st           # 2 CPU processes, emulated
-    lp-lightning st --config configs/dsv3_16b_bf16.yaml --out runs/st16b   # 8 NPUs: the YAML's devices (README)
+    lp-lightning st --config configs/dsv3_16b_bf16.yaml --out runs/st16b   # the YAML's 8 NPUs (docs/acceptance.md)
 
 Exit status: 0 when no row fails (``pass`` or ``not-applicable``), 1 when a row fails, 2 for a
 bad option or config (the message names the option), 130 after Ctrl-C and 143 after a SIGTERM (the
