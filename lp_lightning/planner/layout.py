@@ -3,7 +3,8 @@
 What :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` would build, derived without
 allocating anything (design spec §12.1 build order):
 
-- the model is built on the meta device (``build_meta_model``) and, in mxfp8/hif8, the precision
+- the model is built on the meta device by its adapter (``adapter_for_config(spec).build_meta_model``)
+  and, in mxfp8/hif8, the precision
   plugin's replacement plan is compiled and applied on it (``LowPrecisionPlugin.compile_plan``), as
   ``lp-lightning fit`` does at launch;
 - every low-precision weight gets its placement from the shard rules of design spec §9.1
@@ -41,8 +42,7 @@ from lp_lightning.integration import (
     planned_sharding,
 )
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, LowPrecisionPlugin
-from lp_lightning.models.adapter import adapter_for
-from lp_lightning.models.deepseek_v3 import SPECS, build_meta_model
+from lp_lightning.models.adapter import adapter_for, adapter_for_config, registered_specs
 from lp_lightning.tensor.storage import nbytes, storage_spec
 
 __all__ = [
@@ -108,7 +108,7 @@ class ModelLayout:
     """The meta model of a run and its FSDP2 layout (module docstring).
 
     Attributes:
-        config: The HF ``DeepseekV3Config`` of the model.
+        config: The model's HF config.
         precision: ``bf16``, ``mxfp8`` or ``hif8``.
         format: The run's ``FormatSpec`` (``None`` in bf16).
         world_size: FSDP shard-group size ``W``.
@@ -195,8 +195,8 @@ def check_run_options(
         ValueError: an unknown spec or precision, ``world_size``/``seq_len``/``micro_batch_size`` < 1,
             or ``activation_checkpoint`` other than ``off``/``full``.
     """
-    if spec not in SPECS:
-        raise ValueError(f"--spec {spec!r} is not a built-in spec; choose one of {sorted(SPECS)}.")
+    if spec not in registered_specs():
+        raise ValueError(f"--spec {spec!r} is not a built-in spec; choose one of {list(registered_specs())}.")
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"--precision {precision!r} is not supported; choose one of {list(SUPPORTED_PRECISIONS)}.")
     for name, value in (("world_size", world_size), ("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
@@ -207,7 +207,8 @@ def check_run_options(
 
 
 def _meta_model(spec: str, config_overrides: Mapping[str, Any] | None) -> nn.Module:
-    model = build_meta_model(spec, config_overrides=dict(config_overrides or {}), attn_implementation="sdpa")
+    adapter = adapter_for_config(spec)
+    model = adapter.build_meta_model(spec, config_overrides=dict(config_overrides or {}), attn_implementation="sdpa")
     bad = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
     if bad:  # the planner must never hold real weights (docs/planner.md)
         raise RuntimeError(f"build_meta_model returned tensors off the meta device: {bad[:3]}.")
