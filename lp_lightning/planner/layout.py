@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lp_lightning.config import check_activation_checkpoint
 from lp_lightning.distributed.fsdp import default_mixed_precision_policy
 from lp_lightning.formats.spec import FormatSpec, as_spec
 from lp_lightning.integration import (
@@ -202,8 +203,7 @@ def check_run_options(
     for name, value in (("world_size", world_size), ("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an integer >= 1, got {value!r}.")
-    if activation_checkpoint not in ("off", "full"):
-        raise ValueError(f"--activation_checkpoint must be 'off' or 'full' (design spec §15), got {activation_checkpoint!r}.")
+    check_activation_checkpoint(activation_checkpoint, "--activation_checkpoint")
 
 
 def _meta_model(spec: str, config_overrides: Mapping[str, Any] | None) -> nn.Module:
