@@ -22,12 +22,32 @@ them fails loudly instead of being ignored (design spec §15 "TP/CP/EP/PP 均为
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-__all__ = ["ActivationCheckpointMode", "FSDP2Config"]
+__all__ = ["ACTIVATION_CHECKPOINT_MODES", "ActivationCheckpointMode", "FSDP2Config", "check_activation_checkpoint"]
 
 ActivationCheckpointMode = Literal["off", "full"]
 """Activation recomputation per decoder layer (design spec §15 "Recompute: off, full")."""
+
+ACTIVATION_CHECKPOINT_MODES: tuple[ActivationCheckpointMode, ...] = get_args(ActivationCheckpointMode)
+"""The values of :data:`ActivationCheckpointMode`, ``("off", "full")``."""
+
+
+def check_activation_checkpoint(value: object, name: str = "activation_checkpoint") -> ActivationCheckpointMode:
+    """``value`` if it is an :data:`ActivationCheckpointMode`.
+
+    Args:
+        value: The recompute setting.
+        name: The setting as the caller spells it in the message (``model.activation_checkpoint``).
+
+    Raises:
+        ValueError: any other value (design spec §15: no other recompute policy).
+    """
+    if value not in ACTIVATION_CHECKPOINT_MODES:
+        raise ValueError(
+            f"{name} must be 'off' or 'full', got {value!r}; design spec §15 allows no other recompute policy."
+        )
+    return value
 
 _UNSUPPORTED_PARALLEL_DEGREES = (
     "tensor_parallel_size",

@@ -39,3 +39,15 @@ def test_unsupported_values_name_the_key(kwargs, error, message):
 def test_dp_shard_size_must_equal_world_size():
     with pytest.raises(ValueError, match=r"dp_shard_size=8 does not match the world size 2.*--trainer.devices 8"):
         FSDP2Config(dp_shard_size=8).resolve_dp_shard_size(2)
+
+
+def test_activation_checkpoint_modes_have_one_definition():
+    from typing import get_args
+
+    from lp_lightning.config import ACTIVATION_CHECKPOINT_MODES, ActivationCheckpointMode, check_activation_checkpoint
+
+    assert ACTIVATION_CHECKPOINT_MODES == get_args(ActivationCheckpointMode) == ("off", "full")
+    assert [check_activation_checkpoint(m) for m in ACTIVATION_CHECKPOINT_MODES] == ["off", "full"]
+    with pytest.raises(ValueError, match=r"^model.activation_checkpoint must be 'off' or 'full', got 'selective'; "
+                                         r"design spec §15"):
+        check_activation_checkpoint("selective", "model.activation_checkpoint")

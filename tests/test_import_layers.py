@@ -25,6 +25,7 @@ LAYERS: dict[str, str] = {
     "lp_lightning.lightning": "lightning",
     "lp_lightning.distributed": "distributed",
     "lp_lightning.models.adapter": "model_protocol",
+    "lp_lightning.models.replacement": "model_protocol",  # the one plan builder: adapter + plan + policy
     "lp_lightning.models": "model_adapters",
     "lp_lightning.plan": "plan",
     "lp_lightning.integration": "integration",
@@ -76,12 +77,22 @@ ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is a
     "lightning": set(LAYERS.values()) - {"cli", "st", "planner", "format:mxfp8", "format:hif8"},
     # The memory planner reads a run as lp-lightning fit builds it (meta model, plan, shard rules, gather
     # layouts, the precision plugin) through the generic layers; the entry point hands it the fit config.
-    "planner": set(LAYERS.values()) - {"cli", "st", "format:mxfp8", "format:hif8"},
+    # Model knowledge (specs, meta model, activation terms) comes from the adapter registry only.
+    "planner": set(LAYERS.values()) - {"cli", "st", "format:mxfp8", "format:hif8", "model_adapters"},
     "cli": set(LAYERS.values()) - {"format:mxfp8", "format:hif8"},
-    # The acceptance harness drives the CLI as a user would and reads every layer's evidence.
-    "st": set(LAYERS.values()) - {"format:mxfp8", "format:hif8"},
+    # The acceptance harness drives the CLI as a user would and reads every layer's evidence; it learns the
+    # model (targets, never-replace rules, specs) from the adapter registry only.
+    "st": set(LAYERS.values()) - {"format:mxfp8", "format:hif8", "model_adapters"},
 }
 """What each layer may import besides itself and ``util`` (docs/architecture.md, "Layers")."""
+
+EXEMPT: dict[tuple[str, str], str] = {
+    ("lp_lightning.st.illegal_child", "model_adapters"): (
+        "spies on deepseek_v3.build_meta_model/from_hf_config to see the launch stages, until the launch "
+        "emits stage events (issue 22, item 5)"
+    ),
+}
+"""``(module, layer)`` edges allowed against ``ALLOWED`` for the reason given (each one to be removed)."""
 
 
 def layer_of(module: str) -> str:
@@ -135,12 +146,18 @@ def test_imports_point_down_the_layers():
     bad = []
     for where, line, module, imported, target in _edges():
         source = layer_of(module)
-        if target != source and target != "util" and target not in ALLOWED[source]:
+        if target != source and target != "util" and target not in ALLOWED[source] and (module, target) not in EXEMPT:
             bad.append(f"{where}:{line}: {module} ({source}) imports {imported} ({target})")
     assert bad == [], (
         "imports against docs/architecture.md's layers (move the code down, or pass it in as data):\n  "
         + "\n  ".join(bad)
     )
+
+
+def test_exemptions_are_still_needed():
+    """An exemption the code no longer uses is removed, so the rule it suspends applies again."""
+    used = {(module, target) for _, _, module, _, target in _edges()}
+    assert sorted(set(EXEMPT) - used) == []
 
 
 def test_generic_format_modules_import_no_format_package():

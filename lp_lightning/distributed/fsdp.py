@@ -62,7 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lp_lightning.config import ActivationCheckpointMode
+from lp_lightning.config import ActivationCheckpointMode, check_activation_checkpoint
 
 if TYPE_CHECKING:
     from lp_lightning.models.adapter import ModelAdapter
@@ -191,10 +191,7 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: ActivationCheckp
         checkpoint_wrapper,
     )
 
-    if mode not in ("off", "full"):
-        raise ValueError(
-            f"activation_checkpoint must be 'off' or 'full' (design spec §15), got {mode!r}."
-        )
+    check_activation_checkpoint(mode)
     if mode == "off":
         return 0
     for i, layer in enumerate(layers):
@@ -311,8 +308,7 @@ def parallelize_causal_lm(
     """
     if mesh.ndim != 1:
         raise ValueError(f"expected a 1-D data-parallel mesh, got a mesh of shape {tuple(mesh.shape)}.")
-    if activation_checkpoint not in ("off", "full"):
-        raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
+    check_activation_checkpoint(activation_checkpoint)
     if adapter is None:
         from lp_lightning.models.adapter import adapter_for
 

@@ -3,7 +3,8 @@
 Generic (no format named): :mod:`~lp_lightning.formats.registry` (pure-Python catalogue),
 :mod:`~lp_lightning.formats.spec` (``FormatSpec``, ``WeightKind``, ``AmaxScope``),
 :mod:`~lp_lightning.formats.operand` (``QuantizedOperand``, ``QuantizationRole``),
-:mod:`~lp_lightning.formats.quantizer` (the ``Quantizer`` protocol) and
+:mod:`~lp_lightning.formats.quantizer` (the ``Quantizer`` protocol),
+:mod:`~lp_lightning.formats.group_list` (the checked per-group row counts of MoE tensors) and
 :mod:`~lp_lightning.formats.recipe` (``LowPrecisionRecipe``, ``recipe_for``, SQNR floors).
 Formats: :mod:`lp_lightning.formats.mxfp8`, :mod:`lp_lightning.formats.hif8`.
 

@@ -12,7 +12,7 @@ from lp_lightning.functional.grouped_linear import (
     low_precision_grouped_swiglu,
     swiglu_backward,
 )
-from lp_lightning.functional.linear import _LowPrecisionLinearFunction, is_low_precision_weight, low_precision_linear
+from lp_lightning.functional.linear import _LowPrecisionLinearFunction, low_precision_linear, selects_low_precision_operand
 
 LOW_PRECISION_BACKWARD_NODES: frozenset[str] = frozenset(
     f"{fn.__name__}Backward" for fn in (_LowPrecisionLinearFunction, _GroupedLinearFunction, _GroupedSwiGLUFunction)
@@ -22,9 +22,9 @@ probes attribute GEMMs inside them to a replaced module."""
 
 __all__ = [
     "LOW_PRECISION_BACKWARD_NODES",
-    "is_low_precision_weight",
     "low_precision_grouped_linear",
     "low_precision_grouped_swiglu",
     "low_precision_linear",
+    "selects_low_precision_operand",
     "swiglu_backward",
 ]

@@ -62,10 +62,10 @@ from lp_lightning.ops import GemmRole, gemm_role, low_precision_matmul, quantize
 
 __all__ = [
     "activation_dtype",
-    "is_low_precision_weight",
     "low_precision_linear",
     "quantize_for_gemms",
     "select_weight",
+    "selects_low_precision_operand",
     "weight_fqn_of",
 ]
 
@@ -76,11 +76,13 @@ _ROLE = QuantizationRole
 # Helpers shared with ``lp_lightning.functional.grouped_linear``.
 
 
-def is_low_precision_weight(tensor: object) -> bool:
-    """Whether ``tensor`` is a persistent low-precision weight (has ``select(orientation)``).
+def selects_low_precision_operand(tensor: object) -> bool:
+    """Whether ``tensor`` selects a low-precision operand per GEMM orientation (``select(orientation)``).
 
     ``torch.Tensor.select(dim, index)`` is the integer indexing op; a low-precision weight class
-    overrides it with ``select(orientation) -> QuantizedOperand`` (design spec §7.2–7.3).
+    overrides it with ``select(orientation) -> QuantizedOperand`` (design spec §7.2–7.3). A duck-type
+    test of what the GEMM functions need (any such class, e.g. a test format's), unlike
+    :func:`lp_lightning.tensor.is_low_precision_weight`, which asks for this package's weight classes.
 
     Args:
         tensor: Any object.
@@ -95,7 +97,7 @@ def select_weight(weight: torch.Tensor, orientation: Orientation, *, who: str, n
     """The weight's operand for one GEMM direction (a lookup in the persistent weight).
 
     Args:
-        weight: A low-precision weight tensor (see ``is_low_precision_weight``).
+        weight: A low-precision weight tensor (see ``selects_low_precision_operand``).
         orientation: ``"row"`` or ``"col"``.
         who: Caller name for error messages.
         name: Argument name for error messages.
@@ -106,7 +108,7 @@ def select_weight(weight: torch.Tensor, orientation: Orientation, *, who: str, n
     Raises:
         TypeError: if ``weight`` is a plain tensor, or ``select`` returns no ``QuantizedOperand``.
     """
-    if not is_low_precision_weight(weight):
+    if not selects_low_precision_operand(weight):
         raise TypeError(
             f"{who}: {name} is a plain {type(weight).__name__} of shape {tuple(weight.shape)}, not a low-precision "
             "weight; build it once after init with lp_lightning.integration.finalize_low_precision_weights "

@@ -74,6 +74,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lp_lightning.config import ActivationCheckpointMode, check_activation_checkpoint
 from lp_lightning.formats.spec import ORIENTATIONS, FormatSpec, Orientation, WeightKind, as_spec, shard_rows
 from lp_lightning.observers import ObserverHandle, Observers
 from lp_lightning.tensor.gathered import GatheredWeightTensor
@@ -131,15 +132,12 @@ class GatherPolicy:
     """
 
     reshard_after_forward: bool = True
-    activation_checkpoint: Literal["off", "full"] = "off"
+    activation_checkpoint: ActivationCheckpointMode = "off"
 
     def __post_init__(self) -> None:
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(f"GatherPolicy.reshard_after_forward must be a bool, got {self.reshard_after_forward!r}.")
-        if self.activation_checkpoint not in ("off", "full"):
-            raise ValueError(
-                f"GatherPolicy.activation_checkpoint={self.activation_checkpoint!r}; legal values: 'off', 'full'."
-            )
+        check_activation_checkpoint(self.activation_checkpoint, "GatherPolicy.activation_checkpoint")
 
     @property
     def gathers_both_orientations(self) -> bool:

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
+from lp_lightning.config import ActivationCheckpointMode
 from lp_lightning.formats.spec import FormatSpec, WeightKind, as_spec, shard_rows
 from lp_lightning.integration.gather import GatherPolicy, current_gather_phase
 from lp_lightning.integration.weights import (
@@ -404,7 +405,7 @@ def replicated_fallback_mesh(device_type: str, world_size: int) -> torch.distrib
     return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def gather_policy_for(*, reshard_after_forward: bool, activation_checkpoint: Literal["off", "full"]) -> GatherPolicy:
+def gather_policy_for(*, reshard_after_forward: bool, activation_checkpoint: ActivationCheckpointMode) -> GatherPolicy:
     """The :class:`~lp_lightning.integration.gather.GatherPolicy` of a run's FSDP2 settings.
 
     Args:

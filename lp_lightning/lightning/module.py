@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from lp_lightning.config import ActivationCheckpointMode
+from lp_lightning.config import ActivationCheckpointMode, check_activation_checkpoint
 from lp_lightning.distributed.fsdp import clip_gradients_, total_grad_norm
 
 __all__ = ["DeepSeekV3LM", "warmup_cosine_factor"]
@@ -112,10 +112,7 @@ class DeepSeekV3LM(pl.LightningModule):
         activation_checkpoint: ActivationCheckpointMode = "off",
     ) -> None:
         super().__init__()
-        if activation_checkpoint not in ("off", "full"):
-            raise ValueError(
-                f"model.activation_checkpoint must be 'off' or 'full' (design spec §15), got {activation_checkpoint!r}."
-            )
+        check_activation_checkpoint(activation_checkpoint, "model.activation_checkpoint")
         for name, value in (("lr", lr), ("eps", eps)):
             if not value > 0:
                 raise ValueError(f"model.{name} must be > 0, got {value}.")

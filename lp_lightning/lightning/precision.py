@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
+from lp_lightning.config import check_activation_checkpoint
 from lp_lightning.distributed.fsdp import default_mixed_precision_policy, total_grad_norm
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
 from lp_lightning.policy import LowPrecisionPolicy, PrecisionName
@@ -271,8 +272,7 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         Raises:
             ValueError: ``activation_checkpoint`` is neither ``"off"`` nor ``"full"``.
         """
-        if activation_checkpoint not in ("off", "full"):
-            raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
+        check_activation_checkpoint(activation_checkpoint)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

@@ -67,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lp_lightning.config import ActivationCheckpointMode, FSDP2Config
+from lp_lightning.config import ActivationCheckpointMode, FSDP2Config, check_activation_checkpoint
 from lp_lightning.distributed.checkpoint import (
     DamagedCheckpointError,
     load_dcp_checkpoint,
@@ -453,9 +453,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             timeout=timeout,
         )
         self._init_fsdp2(fsdp_config)
-        if activation_checkpoint not in ("off", "full"):
-            raise ValueError(f"activation_checkpoint must be 'off' or 'full', got {activation_checkpoint!r}.")
-        self.activation_checkpoint = activation_checkpoint
+        self.activation_checkpoint = check_activation_checkpoint(activation_checkpoint)
 
     @property
     def low_precision_plugin(self) -> FSDP2PrecisionPlugin:

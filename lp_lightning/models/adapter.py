@@ -13,6 +13,14 @@ low-precision type) and registers it; the generic layers find it with :func:`ada
     adapter.default_replacement_rules(config)     # the plan's default rules
     adapter.never_replace, adapter.glob_hint      # the plan's boundary and zero-hit advice
 
+The planner, the acceptance harness and the CLI start from a config name or path, and ask the
+adapter that builds it (:func:`adapter_for_config`) for the model knowledge they need::
+
+    adapter = adapter_for_config("dsv3-16b")      # a spec name of adapter.specs, or a local config.json
+    meta = adapter.build_meta_model("dsv3-16b", config_overrides={...})
+    adapter.target_groups(meta)                   # design spec §1.1 targets, from the structure
+    adapter.activation_terms(meta.config, ...)    # saved-for-backward bytes per decoder layer
+
 Built-in adapters are registered by :mod:`lp_lightning.models` (whose ``__init__`` runs before this
 module, so the registry is complete whenever it is imported; DeepSeek-V3:
 :data:`lp_lightning.models.deepseek_v3.adapter.DEEPSEEK_V3`). Another model is supported by
@@ -22,7 +30,9 @@ registering its adapter with :func:`register_model_adapter` before the strategy 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
@@ -32,15 +42,38 @@ if TYPE_CHECKING:  # the plan is imported by whoever compiles one, never by a bf
 
 __all__ = [
     "LINEAR_FACTORY",
+    "ActivationTerms",
     "ModelAdapter",
     "adapter_for",
+    "adapter_for_config",
     "hf_model_type",
     "register_model_adapter",
     "registered_model_adapters",
+    "registered_specs",
 ]
 
 LINEAR_FACTORY = "lp_lightning.modules.linear.replace_low_precision_linear"
 """Format-agnostic replacement factory for exact ``nn.Linear`` targets (a dotted path: ``plan.apply`` imports it)."""
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """What autograd saves for backward in one training micro-batch, term by term (docs/planner.md).
+
+    Counted by a model's adapter (:meth:`ModelAdapter.activation_terms`) without recompute; the
+    planner adds them up per ``activation_checkpoint`` mode.
+
+    Attributes:
+        layers: Per decoder layer, ``{term: bytes}`` saved with ``activation_checkpoint="off"``.
+        outside: ``{term: bytes}`` saved outside the decoder layers.
+        layer_input: Bytes of one decoder layer's input (what ``"full"`` keeps per layer).
+        loss_logits: Peak bytes of the logits-sized tensors around the loss.
+    """
+
+    layers: tuple[dict[str, int], ...]
+    outside: dict[str, int]
+    layer_input: int
+    loss_logits: int
 
 
 class ModelAdapter(Protocol):
@@ -51,11 +84,13 @@ class ModelAdapter(Protocol):
         never_replace: Modules the replacement plan refuses to replace (design spec §1.1), passed
             to :func:`~lp_lightning.plan.compile_plan` as ``never_replace``.
         glob_hint: Advice appended to the plan's zero-hit glob error (``None``: none).
+        specs: The named specs it builds (``config_name_or_path`` values), each ``{config field: value}``.
     """
 
     name: str
     never_replace: tuple[NeverReplaceRule, ...]
     glob_hint: str | None
+    specs: Mapping[str, Mapping[str, Any]]
 
     def matches(self, model: nn.Module) -> bool:
         """Whether this adapter describes ``model`` (the HF model or a wrapper holding it at ``.model``)."""
@@ -88,11 +123,58 @@ class ModelAdapter(Protocol):
         """A structure-only (meta device) model with ``causal_lm``'s module tree, to compile the plan on."""
         ...
 
+    def builds(self, config_name_or_path: str | os.PathLike[str]) -> bool:
+        """Whether :meth:`build_meta_model` takes ``config_name_or_path`` (a key of ``specs`` or a local config)."""
+        ...
+
+    def build_meta_model(
+        self, config: Any, *, config_overrides: Mapping[str, Any] | None = None, attn_implementation: str = "sdpa"
+    ) -> nn.Module:
+        """The model of ``config`` (a config object, a spec name or a local config path) on the meta device.
+
+        Structure only, nothing allocated; ``config_overrides`` are config fields set on top.
+
+        Raises:
+            ValueError: an unknown name or path, or overrides the config rejects.
+        """
+        ...
+
+    def target_groups(self, model: nn.Module) -> dict[str, list[str]]:
+        """The design spec §1.1 low-precision targets of ``model``, ``{group: [module FQN, ...]}``.
+
+        Found from the model's structure, not from a replacement plan, so that a plan leaving a
+        target out is caught by whoever compares the two (the acceptance rows Q3-02/03/04).
+        """
+        ...
+
+    def activation_terms(
+        self,
+        config: Any,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        low_precision_modules: Collection[str],
+        format: Any,
+        activation_dtype: Any,
+    ) -> ActivationTerms:
+        """The saved-for-backward bytes of one micro-batch of the model of ``config`` (docs/planner.md).
+
+        Args:
+            config: The model's HF config.
+            micro_batch_size: Sequences per rank per micro-batch.
+            seq_len: Tokens per sequence.
+            low_precision_modules: FQNs of the modules the plan made low precision.
+            format: Their ``FormatSpec`` (``None`` in bf16).
+            activation_dtype: The compute ``torch.dtype`` (FSDP2 ``param_dtype``).
+        """
+        ...
+
 
 _ADAPTERS: dict[str, ModelAdapter] = {}
 _PROTOCOL_MEMBERS = (
     "name", "never_replace", "glob_hint", "matches", "causal_lm", "decoder_layers", "fp32_compute_modules",
-    "default_replacement_rules", "build_meta_twin",
+    "default_replacement_rules", "build_meta_twin", "specs", "builds", "build_meta_model", "target_groups",
+    "activation_terms",
 )
 _MISSING = object()
 
@@ -135,6 +217,32 @@ def register_model_adapter(adapter: ModelAdapter) -> ModelAdapter:
 def registered_model_adapters() -> tuple[ModelAdapter, ...]:
     """Every registered adapter, in registration order."""
     return tuple(_ADAPTERS.values())
+
+
+def registered_specs() -> tuple[str, ...]:
+    """The spec names every registered adapter builds (sorted)."""
+    return tuple(sorted(name for adapter in _ADAPTERS.values() for name in adapter.specs))
+
+
+def adapter_for_config(config_name_or_path: str | os.PathLike[str]) -> ModelAdapter:
+    """The registered adapter that builds ``config_name_or_path`` (a spec name or a local config path).
+
+    Raises:
+        ValueError: no adapter builds it (the message lists the specs), or several do.
+    """
+    matching = [a for a in _ADAPTERS.values() if a.builds(config_name_or_path)]
+    if len(matching) == 1:
+        return matching[0]
+    if not matching:
+        raise ValueError(
+            f"config_name_or_path={os.fspath(config_name_or_path)!r} is neither a built-in spec "
+            f"{list(registered_specs())} nor a local config.json of a registered model type {sorted(_ADAPTERS)}; "
+            "pass a spec name or the path of the model's config.json."
+        )
+    raise ValueError(
+        f"{len(matching)} model adapters build {os.fspath(config_name_or_path)!r}: "
+        f"{[a.name for a in matching]}; make their `builds` exclusive."
+    )
 
 
 def hf_model_type(module: nn.Module) -> str | None:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
-from lp_lightning.functional.linear import is_low_precision_weight, low_precision_linear
+from lp_lightning.functional.linear import low_precision_linear, selects_low_precision_operand
 from lp_lightning.policy import LowPrecisionPolicy
 
 __all__ = ["LowPrecisionLinear", "replace_low_precision_linear"]
@@ -165,7 +165,7 @@ class LowPrecisionLinear(nn.Linear):
         Raises:
             TypeError: if the persistent low-precision weight has not been built yet.
         """
-        if not is_low_precision_weight(self.weight):
+        if not selects_low_precision_operand(self.weight):
             raise TypeError(
                 f"LowPrecisionLinear {self.fqn!r}: weight is still the plain high-precision Parameter "
                 f"{tuple(self.weight.shape)}; build the {self.recipe.format.name} weight after applying the plan "

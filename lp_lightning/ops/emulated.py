@@ -45,34 +45,13 @@ from __future__ import annotations
 
 import torch
 
+from lp_lightning.formats.group_list import group_row_counts
 from lp_lightning.formats.operand import QuantizedOperand
 from lp_lightning.formats.quantizer import Quantizer
 from lp_lightning.formats.spec import FormatSpec, Orientation
 from lp_lightning.ops.backend import GateCheck
 
-__all__ = ["BACKEND", "EmulatedBackend", "group_counts"]
-
-
-def group_counts(group_list: torch.Tensor, tokens: int, who: str) -> list[int]:
-    """Host list of per-group row counts, checked: all ≥ 0 and summing to ``tokens``.
-
-    Raises:
-        ValueError: naming the offending counts.
-    """
-    counts = [int(c) for c in group_list.tolist()]
-    negative = [(g, c) for g, c in enumerate(counts) if c < 0]
-    if negative:
-        listed = ", ".join(f"group {g}: {c}" for g, c in negative[:8])
-        raise ValueError(
-            f"{who}: group_list holds negative row counts ({listed}); counts are rows per group, each >= 0, "
-            f"summing to the {tokens} token rows."
-        )
-    if sum(counts) != tokens:
-        raise ValueError(
-            f"{who}: group_list {counts[:16]}{' ...' if len(counts) > 16 else ''} sums to {sum(counts)} rows but "
-            f"the operand has {tokens} token rows; counts are rows per group (not cumulative ends)."
-        )
-    return counts
+__all__ = ["BACKEND", "EmulatedBackend"]
 
 
 def _no_autocast(method):
@@ -190,7 +169,7 @@ class EmulatedBackend:
     ) -> torch.Tensor:
         """Grouped GEMM; see ``lp_lightning.ops.api.low_precision_grouped_matmul`` for the contract."""
         tokens = left.shape[0]
-        counts = group_counts(group_list, tokens, "low_precision_grouped_matmul")
+        counts = group_row_counts(group_list, tokens, "low_precision_grouped_matmul", operand="operand")
         dtype = torch.bfloat16 if self._units(left, right, output_dtype) == "bf16" else torch.float32
         rows_TC, left_scale = _factors(left, dtype)
         device = left.device

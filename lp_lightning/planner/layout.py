@@ -3,8 +3,9 @@
 What :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` would build, derived without
 allocating anything (design spec §12.1 build order):
 
-- the model is built on the meta device (``build_meta_model``) and, in mxfp8/hif8, the precision
-  plugin's replacement plan is compiled and applied on it (``models.replacement.replacement_plan``), as
+- the model is built on the meta device by its adapter (``adapter_for_config(spec).build_meta_model``)
+  and, in mxfp8/hif8, the run's replacement plan is compiled and applied on it
+  (``models.replacement.replacement_plan``), as
   ``lp-lightning fit`` does at launch;
 - every low-precision weight gets its placement from the shard rules of design spec §9.1
   (:func:`~lp_lightning.integration.planned_placements` / ``planned_sharding``): ``Shard(0)``,
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lp_lightning.config import check_activation_checkpoint
 from lp_lightning.distributed.fsdp import default_mixed_precision_policy
 from lp_lightning.formats.spec import FormatSpec, as_spec
 from lp_lightning.integration import (
@@ -41,8 +43,7 @@ from lp_lightning.integration import (
     planned_sharding,
 )
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS
-from lp_lightning.models.adapter import adapter_for
-from lp_lightning.models.deepseek_v3 import SPECS, build_meta_model
+from lp_lightning.models.adapter import adapter_for, adapter_for_config, registered_specs
 from lp_lightning.models.replacement import replacement_plan
 from lp_lightning.policy import LowPrecisionConfig
 from lp_lightning.tensor.storage import nbytes, storage_spec
@@ -110,7 +111,7 @@ class ModelLayout:
     """The meta model of a run and its FSDP2 layout (module docstring).
 
     Attributes:
-        config: The HF ``DeepseekV3Config`` of the model.
+        config: The model's HF config.
         precision: ``bf16``, ``mxfp8`` or ``hif8``.
         format: The run's ``FormatSpec`` (``None`` in bf16).
         world_size: FSDP shard-group size ``W``.
@@ -197,19 +198,19 @@ def check_run_options(
         ValueError: an unknown spec or precision, ``world_size``/``seq_len``/``micro_batch_size`` < 1,
             or ``activation_checkpoint`` other than ``off``/``full``.
     """
-    if spec not in SPECS:
-        raise ValueError(f"--spec {spec!r} is not a built-in spec; choose one of {sorted(SPECS)}.")
+    if spec not in registered_specs():
+        raise ValueError(f"--spec {spec!r} is not a built-in spec; choose one of {list(registered_specs())}.")
     if precision not in SUPPORTED_PRECISIONS:
         raise ValueError(f"--precision {precision!r} is not supported; choose one of {list(SUPPORTED_PRECISIONS)}.")
     for name, value in (("world_size", world_size), ("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be an integer >= 1, got {value!r}.")
-    if activation_checkpoint not in ("off", "full"):
-        raise ValueError(f"--activation_checkpoint must be 'off' or 'full' (design spec §15), got {activation_checkpoint!r}.")
+    check_activation_checkpoint(activation_checkpoint, "--activation_checkpoint")
 
 
 def _meta_model(spec: str, config_overrides: Mapping[str, Any] | None) -> nn.Module:
-    model = build_meta_model(spec, config_overrides=dict(config_overrides or {}), attn_implementation="sdpa")
+    adapter = adapter_for_config(spec)
+    model = adapter.build_meta_model(spec, config_overrides=dict(config_overrides or {}), attn_implementation="sdpa")
     bad = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
     if bad:  # the planner must never hold real weights (docs/planner.md)
         raise RuntimeError(f"build_meta_model returned tensors off the meta device: {bad[:3]}.")

@@ -17,7 +17,8 @@ for the shard sizes):
 ``unsharded_gradients``         the root's early gradients (LM head, final norm; reduce-scattered
                                 last) and the largest layer group's gradients before
                                 reduce-scatter plus its FP32 reduce-scatter input
-``activations``                 saved for backward (:mod:`lp_lightning.planner.activations`)
+``activations``                 saved for backward (the model adapter's ``activation_terms``, summed
+                                by :func:`saved_activation_bytes`)
 ``loss_logits``                 logits-sized tensors around the loss (``12 · T · V``)
 ``optimizer_step_temporaries``  AdamW's multi-tensor (foreach) step: one FP32 temporary of the
                                 largest parameter group's local size
@@ -46,7 +47,7 @@ import torch
 
 from lp_lightning.formats.spec import as_spec
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS
-from lp_lightning.planner.activations import ActivationEstimate, deepseek_v3_activations
+from lp_lightning.models.adapter import ActivationTerms, adapter_for
 from lp_lightning.planner.layout import (
     ROOT,
     ModelLayout,
@@ -58,7 +59,7 @@ from lp_lightning.planner.layout import (
 )
 from lp_lightning.policy import LowPrecisionConfig
 
-__all__ = ["COMPONENTS", "DEFAULT_BUDGET_BYTES", "RECIPES", "MemoryPlan", "plan_memory"]
+__all__ = ["COMPONENTS", "DEFAULT_BUDGET_BYTES", "RECIPES", "MemoryPlan", "plan_memory", "saved_activation_bytes"]
 
 DEFAULT_BUDGET_BYTES = 96 * 2**30
 """One card of the design spec's node (96 GiB)."""
@@ -73,6 +74,19 @@ RECIPES: tuple[str, ...] = SUPPORTED_PRECISIONS
 """The recipes of the bytes-per-parameter table (every ``--precision``)."""
 
 _MASTER = torch.float32.itemsize  # FP32 master, FP32 moments, FP32 sharded gradient (design spec §10)
+
+
+def saved_activation_bytes(terms: ActivationTerms, activation_checkpoint: str) -> int:
+    """Bytes saved for backward at the end of forward (the layers' and the outside terms).
+
+    ``"off"``: every layer's terms; ``"full"``: each layer's input, plus the terms of the one layer
+    being recomputed in backward.
+    """
+    per_layer = [sum(layer.values()) for layer in terms.layers]
+    outside = sum(terms.outside.values())
+    if activation_checkpoint == "off":
+        return sum(per_layer) + outside
+    return len(per_layer) * terms.layer_input + max(per_layer, default=0) + outside
 
 
 @dataclass(frozen=True)
@@ -177,17 +191,18 @@ def plan_memory(
             raise ValueError(f"{name} must be a bool, got {value!r}.")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}.")
-    layout, _ = build_layout(
+    layout, meta = build_layout(
         spec, precision, world_size, reshard_after_forward=reshard_after_forward,
         activation_checkpoint=activation_checkpoint, fallback_to_unsharded=fallback_to_unsharded,
         config_overrides=config_overrides, input_dim_sharding=input_dim_sharding,
     )
-    acts = deepseek_v3_activations(
+    acts = adapter_for(meta).activation_terms(
         layout.config, micro_batch_size=micro_batch_size, seq_len=seq_len,
         low_precision_modules=layout.low_precision_modules, format=layout.format,
-        activation_checkpoint=activation_checkpoint, activation_dtype=layout.param_dtype,
+        activation_dtype=layout.param_dtype,
     )
-    components, in_flight, gathered_at_loss = _components(layout, acts)
+    saved = saved_activation_bytes(acts, activation_checkpoint)
+    components, in_flight, gathered_at_loss = _components(layout, acts, saved)
     steady = sum(components[k] for k in ("master", "optimizer", "low_precision_storage", "buffers"))
     phases = {
         # the previous step's gradients: Lightning zeroes them after training_step (module docstring)
@@ -232,12 +247,14 @@ def plan_memory(
             "per_layer": [dict(t) for t in acts.layers],
             "outside": dict(acts.outside),
             "layer_input": acts.layer_input,
-            "saved_bytes": acts.saved_bytes,
+            "saved_bytes": saved,
         },
     )
 
 
-def _components(layout: ModelLayout, acts: ActivationEstimate) -> tuple[dict[str, int], dict[str, Any], int]:
+def _components(
+    layout: ModelLayout, acts: ActivationTerms, saved_activations: int
+) -> tuple[dict[str, int], dict[str, Any], int]:
     """The component bytes, the in-flight units, and the bytes gathered at the loss phase."""
     params = layout.params
     local = sum(p.local_numel for p in params)
@@ -271,7 +288,7 @@ def _components(layout: ModelLayout, acts: ActivationEstimate) -> tuple[dict[str
         "buffers": layout.buffer_bytes,
         "all_gather_buffers": all_gather,
         "unsharded_gradients": sum(p.numel * p.gather_dtype.itemsize for p in early) + layer_grads,
-        "activations": acts.saved_bytes,
+        "activations": saved_activations,
         "loss_logits": acts.loss_logits,
         "optimizer_step_temporaries": _MASTER * max(sum(p.local_numel for p in g) for g in (decay, no_decay)),
     }

@@ -80,8 +80,9 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _user_settings(config: str | None) -> tuple[bool, int, dict[str, list[str]], dict[str, Any]]:
-    """The user YAML's reshard_after_forward, device count and model targets, after the CLI's checks (exit 2 if bad)."""
+def _user_settings(config: str | None) -> tuple[bool, int, dict[str, list[str]], tuple[Any, ...], dict[str, Any]]:
+    """The user YAML's reshard_after_forward, device count, model targets and never-replace rules, after the CLI's
+    checks (exit 2 if bad)."""
     from lp_lightning.cli import parse_config
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
@@ -90,39 +91,31 @@ def _user_settings(config: str | None) -> tuple[bool, int, dict[str, list[str]],
     finally:
         sys.argv = argv
     targets = model_targets(parsed.model.config_name_or_path, parsed.model.config_overrides)
+    never_replace = model_never_replace(parsed.model.config_name_or_path)
     devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
     devices = max(int(devices), 2) if str(devices).isdigit() else 2
     meta = {"config": config or "embedded default (dsv3-tiny)"}
-    return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, meta
+    return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta
 
 
 def model_targets(config_name_or_path: str, overrides: dict[str, Any] | None) -> dict[str, list[str]]:
-    """The design spec §1.1 targets of the model, found from its structure (not from the plan).
+    """The design spec §1.1 targets of the model, found by its adapter from its structure (not from the plan).
 
     Q3-02/03/04 compare the replacement report with this list, so a plan that leaves a target out
-    fails there. Categories: ``mla`` (the ``nn.Linear`` projections of every ``self_attn``),
-    ``dense_mlp`` / ``shared_experts`` (the ``nn.Linear`` of a dense ``mlp`` / of ``mlp.shared_experts``)
-    and ``routed_experts`` (HF's stacked experts module).
+    fails there. Groups (DeepSeek-V3): ``mla``, ``dense_mlp``, ``shared_experts``, ``routed_experts``
+    (:meth:`~lp_lightning.models.adapter.ModelAdapter.target_groups`).
     """
-    from torch import nn
+    from lp_lightning.models.adapter import adapter_for_config
 
-    from lp_lightning.models.deepseek_v3 import build_meta_model
-    from lp_lightning.models.deepseek_v3.adapter import DEEPSEEK_V3_EXPERTS_TYPE
+    adapter = adapter_for_config(config_name_or_path)
+    return adapter.target_groups(adapter.build_meta_model(config_name_or_path, config_overrides=overrides))
 
-    model = build_meta_model(config_name_or_path, config_overrides=overrides)
-    experts_type = DEEPSEEK_V3_EXPERTS_TYPE.rsplit(".", 1)[1]
-    targets: dict[str, list[str]] = {"mla": [], "dense_mlp": [], "shared_experts": [], "routed_experts": []}
-    for fqn, module in model.named_modules():
-        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-        if type(module).__name__ == experts_type:
-            targets["routed_experts"].append(fqn)
-        elif type(module) is nn.Linear and parent.endswith(".self_attn"):
-            targets["mla"].append(fqn)
-        elif type(module) is nn.Linear and parent.endswith(".mlp.shared_experts"):
-            targets["shared_experts"].append(fqn)
-        elif type(module) is nn.Linear and parent.endswith(".mlp"):
-            targets["dense_mlp"].append(fqn)
-    return targets
+
+def model_never_replace(config_name_or_path: str) -> tuple[Any, ...]:
+    """The model adapter's never-replace rules (design spec §1.1), which Q3-04 checks the GEMM trace against."""
+    from lp_lightning.models.adapter import adapter_for_config
+
+    return tuple(adapter_for_config(config_name_or_path).never_replace)
 
 
 def _log(message: str) -> None:
@@ -255,7 +248,7 @@ def _st(argv: Sequence[str] | None) -> int:
         settings, cases, needed = _check_options(args)
     except ValueError as err:
         parser.error(str(err))
-    reshard_after_forward, devices, targets, meta = _user_settings(args.config)
+    reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config)
     if args.devices is None:
         settings = dataclasses.replace(settings, devices=devices)
     config = Path(args.config).resolve() if args.config else None
@@ -306,7 +299,7 @@ def _st(argv: Sequence[str] | None) -> int:
     if all(f"main/{c.name}" in runs for c in CASES):
         numerics_rows.append(short_run_checks(runs, settings))
     rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,
-                         targets=targets, only=args.rows)
+                         targets=targets, never_replace=never_replace, only=args.rows)
     meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
                 user_reshard_after_forward=reshard_after_forward, skipped_parts=list(args.skip),
                 cases=[c.name for c in cases], selected_rows=list(args.rows))

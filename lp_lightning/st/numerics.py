@@ -467,9 +467,9 @@ def one_layer_comparison(*, seed: int = 0, precisions: Sequence[str] | None = No
 
 
 def _one_layer_vocab() -> int:
-    from lp_lightning.models.deepseek_v3 import SPECS
+    from lp_lightning.models.adapter import adapter_for_config
 
-    return int(SPECS["dsv3-tiny"]["vocab_size"])
+    return int(adapter_for_config("dsv3-tiny").specs["dsv3-tiny"]["vocab_size"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,10 +24,16 @@ from __future__ import annotations
 import fnmatch
 import statistics
 from collections import defaultdict
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from lp_lightning.st.cases import CASES, FSDP_ROWS, STSettings
-from lp_lightning.st.rows_fsdp import q3_05, q3_06, q3_07, q3_08
+from lp_lightning.st.rows_fsdp import (
+    accumulation_refresh_row,
+    gather_orientation_row,
+    hif8_gather_scales_row,
+    recompute_refresh_row,
+)
 from lp_lightning.st.runner import RunResult
 from lp_lightning.st.verdict import (
     ROLES,
@@ -43,10 +49,15 @@ from lp_lightning.st.verdict import (
     unit_roundoff,
 )
 
+if TYPE_CHECKING:
+    from lp_lightning.plan import NeverReplaceRule
+
 __all__ = ["Check", "Row", "ROW_TITLES", "element_format", "evaluate_rows", "steady_performance", "unit_roundoff"]
 
 
-def q3_01(runs: dict[str, RunResult], settings: STSettings) -> Row:
+def bf16_baseline_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
+    """Design spec §17.2 Q3-01 (BF16 baseline): main/bf16 trains and saves a DCP checkpoint; resume/bf16
+    resumes from it and trains."""
     row = Row("Q3-01")
     main, resume = runs.get("main/bf16"), runs.get("resume/bf16")
     if _finished(row, main, "main/bf16"):
@@ -66,6 +77,8 @@ def q3_01(runs: dict[str, RunResult], settings: STSettings) -> Row:
 def _low_precision_row(
     row_id: str, case: str, runs: dict[str, RunResult], settings: STSettings, targets: dict[str, list[str]]
 ) -> Row:
+    """Design spec §17.2 Q3-02 / Q3-03 (MXFP8 / HiF8 end to end): the case trains, replaces every target,
+    runs its GEMMs in low precision with no fallback, and records its scales."""
     row = Row(row_id)
     fmt = dict((c.name, (c.low_precision or {}).get("format")) for c in CASES)[case]
     main, probe = runs.get(f"main/{case}"), runs.get(f"probe/{case}")
@@ -115,12 +128,16 @@ def _scale_checks(row: Row, run: RunResult, case: str, devices: int) -> None:
     }
 
 
-def q3_04(runs: dict[str, RunResult], settings: STSettings, targets: dict[str, list[str]]) -> Row:
-    """Dense, shared, routed and explicit MLA modules hit; embedding, head, router, norms, core attention not."""
-    from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_never_replace
-
+def model_boundary_row(
+    runs: dict[str, RunResult],
+    settings: STSettings,
+    targets: dict[str, list[str]],
+    never_replace: Sequence[NeverReplaceRule],
+) -> Row:
+    """Design spec §17.2 Q3-04 (model boundary): dense, shared, routed and explicit MLA modules hit; embedding,
+    head, router, norms, core attention not (``never_replace``: the model adapter's rules)."""
     row = Row("Q3-04")
-    never = deepseek_v3_never_replace()
+    never = tuple(never_replace)
     for case in ("mxfp8", "hif8_current"):
         probe = runs.get(f"probe/{case}")
         if not _finished(row, probe, f"probe/{case}"):
@@ -205,7 +222,9 @@ def _state_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def q3_09(runs: dict[str, RunResult], settings: STSettings) -> Row:
+def dcp_resume_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
+    """Design spec §17.2 Q3-09 (DCP resume): the checkpoint holds FP32 masters and moments only; the resumed
+    state is bit-identical to the continuous run's and its first loss within ``u``."""
     row = Row("Q3-09")
     n = settings.save_step
     for case in (c.name for c in CASES):
@@ -246,7 +265,8 @@ def q3_09(runs: dict[str, RunResult], settings: STSettings) -> Row:
     return row
 
 
-def q3_10(illegal: list[dict[str, Any]] | None) -> Row:
+def illegal_configurations_row(illegal: list[dict[str, Any]] | None) -> Row:
+    """Design spec §17.2 Q3-10 (illegal configurations): every design spec §15 case fails at its expected stage."""
     row = Row("Q3-10")
     if illegal is None:
         row.check("illegal-configuration cases ran", False, "not run", "every design spec §15 row")
@@ -291,7 +311,9 @@ def steady_performance(run: RunResult, settings: STSettings) -> dict[str, Any] |
     }
 
 
-def q3_11(runs: dict[str, RunResult], settings: STSettings) -> Row:
+def performance_ratio_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
+    """Design spec §17.2 Q3-11 (no performance regression): steady throughput and step-time ratios against bf16
+    (not-applicable on the emulated backend)."""
     row = Row("Q3-11")
     perf = {}
     for case in (c.name for c in CASES):
@@ -332,25 +354,29 @@ def evaluate_rows(
     illegal: list[dict[str, Any]] | None,
     reshard_after_forward: bool,
     targets: dict[str, list[str]],
+    never_replace: Sequence[NeverReplaceRule],
     only: list[str] | None = None,
 ) -> list[Row]:
     """The Q3 rows' verdicts, in order (``only``: these row ids).
+
+    ``targets`` and ``never_replace`` are the model adapter's target groups and never-replace rules
+    (:meth:`~lp_lightning.models.adapter.ModelAdapter.target_groups`, ``never_replace``).
 
     With one process (``settings.devices`` 1) the FSDP rows (:data:`~lp_lightning.st.cases.FSDP_ROWS`)
     are ``not-applicable``, or ``fail`` when one of their checks fails.
     """
     rows = [
-        q3_01(runs, settings),
+        bf16_baseline_row(runs, settings),
         _low_precision_row("Q3-02", "mxfp8", runs, settings, targets),
         _low_precision_row("Q3-03", "hif8_current", runs, settings, targets),
-        q3_04(runs, settings, targets),
-        q3_05(runs, settings, reshard_after_forward),
-        q3_06(runs, settings, reshard_after_forward),
-        q3_07(runs, settings),
-        q3_08(runs, settings),
-        q3_09(runs, settings),
-        q3_10(illegal),
-        q3_11(runs, settings),
+        model_boundary_row(runs, settings, targets, never_replace),
+        gather_orientation_row(runs, settings, reshard_after_forward),
+        hif8_gather_scales_row(runs, settings, reshard_after_forward),
+        accumulation_refresh_row(runs, settings),
+        recompute_refresh_row(runs, settings),
+        dcp_resume_row(runs, settings),
+        illegal_configurations_row(illegal),
+        performance_ratio_row(runs, settings),
     ]
     if settings.devices < 2:
         for row in rows:

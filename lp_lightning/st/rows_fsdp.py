@@ -15,7 +15,7 @@ from lp_lightning.st.cases import STSettings
 from lp_lightning.st.runner import RunResult
 from lp_lightning.st.verdict import Row, _finished, _gemm_counts, _training_checks
 
-__all__ = ["q3_05", "q3_06", "q3_07", "q3_08"]
+__all__ = ["accumulation_refresh_row", "gather_orientation_row", "hif8_gather_scales_row", "recompute_refresh_row"]
 
 
 def _post_events(run: RunResult) -> list[dict[str, Any]]:
@@ -72,7 +72,9 @@ def _rebuilt_checks(row: Row, run: RunResult, case: str) -> None:
                        not differing, differing or f"{len(shapes)} weights", "[]")
 
 
-def q3_05(runs: dict[str, RunResult], settings: STSettings, reshard_after_forward: bool) -> Row:
+def gather_orientation_row(runs: dict[str, RunResult], settings: STSettings, reshard_after_forward: bool) -> Row:
+    """Design spec §17.2 Q3-05 (MXFP8 FSDP): the orientations each all-gather carries (design spec §9.1), with and
+    without ``reshard_after_forward``; 8-bit payloads on the wire and rebuilt storage of the logical shape."""
     row = Row("Q3-05")
     by_flag = {reshard_after_forward: runs.get("probe/mxfp8"), not reshard_after_forward: runs.get("reshard/mxfp8")}
     for flag, run in sorted(by_flag.items(), reverse=True):
@@ -112,7 +114,9 @@ def q3_05(runs: dict[str, RunResult], settings: STSettings, reshard_after_forwar
     return row
 
 
-def q3_06(runs: dict[str, RunResult], settings: STSettings, reshard_after_forward: bool) -> Row:
+def hif8_gather_scales_row(runs: dict[str, RunResult], settings: STSettings, reshard_after_forward: bool) -> Row:
+    """Design spec §17.2 Q3-06 (HiF8 FSDP): dense scales equal on every rank, grouped scales gathered in global
+    expert order, forward and backward reading the same bytes; 8-bit payloads and rebuilt storage."""
     row = Row("Q3-06")
     for run in (runs.get("probe/hif8_current"), runs.get("reshard/hif8_current")):
         if not _finished(row, run, run.spec.name if run else "probe/reshard hif8_current"):
@@ -182,7 +186,9 @@ def _refresh_checks(row: Row, run: RunResult, *, micro_batches: int) -> None:
                   bad[:3] or f"{len(rank.get('per_step', []))} steps", "refreshes = weights, max 1 per weight")
 
 
-def q3_07(runs: dict[str, RunResult], settings: STSettings) -> Row:
+def accumulation_refresh_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
+    """Design spec §17.2 Q3-07 (gradient accumulation): the accumulation runs train, and each optimizer step
+    refreshes every low-precision weight once, never on a micro-step."""
     row = Row("Q3-07")
     for case in ("mxfp8", "hif8_current"):
         run = runs.get(f"accum/{case}")
@@ -192,7 +198,9 @@ def q3_07(runs: dict[str, RunResult], settings: STSettings) -> Row:
     return row
 
 
-def q3_08(runs: dict[str, RunResult], settings: STSettings) -> Row:
+def recompute_refresh_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
+    """Design spec §17.2 Q3-08 (full recompute): the recompute runs train, refresh once per step (never inside
+    forward/backward) and hold no extra persistent weights."""
     row = Row("Q3-08")
     for case in ("mxfp8", "hif8_current"):
         run, main = runs.get(f"recompute/{case}"), runs.get(f"main/{case}")

@@ -370,5 +370,9 @@ def _contains(values: Iterable[Any], cls: type) -> bool:
 
 
 def is_low_precision_weight(tensor: object) -> bool:
-    """Whether ``tensor`` is a persistent or an all-gathered low-precision weight (public check for probes)."""
+    """Whether ``tensor`` is one of this package's low-precision weight classes, persistent or all-gathered.
+
+    The public type check for probes; the GEMM functions ask the duck-typed
+    :func:`lp_lightning.functional.linear.selects_low_precision_operand` instead.
+    """
     return isinstance(tensor, _LowPrecisionWeightBase)

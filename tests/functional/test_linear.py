@@ -38,7 +38,7 @@ from torch import nn
 from lp_lightning.evidence.numerics import sqnr_db
 from lp_lightning.formats import QuantizationRole, recipe_for
 from lp_lightning.formats.recipe import sqnr_reference_input
-from lp_lightning.functional import is_low_precision_weight, low_precision_linear
+from lp_lightning.functional import low_precision_linear, selects_low_precision_operand
 from lp_lightning.ops import GemmRole, record_gemms, record_quantizes
 from lp_reference import lp_weight, reference_gemm
 
@@ -215,7 +215,8 @@ def test_no_weight_gradient_means_no_wgrad_and_no_saved_input(fmt, monkeypatch):
 def test_plain_tensor_weight_is_rejected_not_quantized():
     x = torch.randn(8, 64)
     plain = nn.Parameter(torch.randn(16, 64))
-    assert not is_low_precision_weight(plain) and is_low_precision_weight(lp_weight(torch.randn(16, 64), "hif8"))
+    assert not selects_low_precision_operand(plain)
+    assert selects_low_precision_operand(lp_weight(torch.randn(16, 64), "hif8"))
     with pytest.raises(TypeError, match="plain Parameter of shape \\(16, 64\\).*no high-precision fallback"):
         low_precision_linear(x, plain, recipe=recipe_for("hif8"))
 

@@ -130,3 +130,37 @@ def test_default_rules_and_boundary_are_the_deepseek_ones(tiny):
     with pytest.raises(ValueError, match=r"fix the FQNs \(for DeepSeek-V3, q_lora_rank set means q_a_proj"):
         compile_plan(meta, load_rules(PLAN_YAML), MXFP8,
                      never_replace=DEEPSEEK_V3.never_replace, glob_hint=DEEPSEEK_V3.glob_hint)
+
+
+def test_specs_and_meta_model_come_from_the_adapter_of_a_config(tmp_path):
+    from lp_lightning.models.adapter import adapter_for_config, registered_specs
+    from lp_lightning.models.deepseek_v3 import SPECS
+
+    assert registered_specs() == ("dsv3-16b", "dsv3-tiny") and DEEPSEEK_V3.specs is SPECS
+    assert adapter_for_config("dsv3-tiny") is DEEPSEEK_V3
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "deepseek_v3", "num_hidden_layers": 2}')
+    assert adapter_for_config(tmp_path) is DEEPSEEK_V3 and adapter_for_config(str(config)) is DEEPSEEK_V3
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    for unknown in ("dsv3-huge", str(tmp_path / "llama")):
+        with pytest.raises(ValueError, match=r"neither a built-in spec \['dsv3-16b', 'dsv3-tiny'\] nor a local"):
+            adapter_for_config(unknown)
+    meta = DEEPSEEK_V3.build_meta_model("dsv3-tiny", config_overrides={"num_hidden_layers": 2})
+    assert all(p.is_meta for p in meta.parameters()) and meta.config.num_hidden_layers == 2
+    assert meta.config._attn_implementation == "sdpa"
+
+
+def test_target_groups_are_found_from_the_structure_not_the_plan():
+    meta = build_meta_model("dsv3-tiny")  # 3 layers, 1 dense, q_lora_rank null
+    groups = DEEPSEEK_V3.target_groups(meta)
+    assert list(groups) == ["mla", "dense_mlp", "shared_experts", "routed_experts"]
+    assert [len(v) for v in groups.values()] == [12, 3, 6, 2]
+    assert groups["mla"][:4] == [f"model.layers.0.self_attn.{n}" for n in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                                              "o_proj")]
+    assert groups["routed_experts"] == ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    # The default plan names the same modules; the groups would still list one the plan left out.
+    planned = {fqn for rule in DEEPSEEK_V3.default_replacement_rules(meta.config) for fqn in rule.match}
+    assert planned == {fqn for fqns in groups.values() for fqn in fqns}
+    q_lora = DEEPSEEK_V3.target_groups(build_meta_model("dsv3-tiny", config_overrides={"q_lora_rank": 64}))
+    assert "model.layers.0.self_attn.q_a_proj" in q_lora["mla"] and len(q_lora["mla"]) == 15

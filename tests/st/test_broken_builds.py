@@ -91,7 +91,7 @@ elif _BROKEN == "hp_gather":
 
     weights.declared_low_precision_params = declared_low_precision_params
     linear.select_weight = select_weight
-    module.is_low_precision_weight = lambda weight: True  # the module no longer insists on an 8-bit weight
+    module.selects_low_precision_operand = lambda weight: True  # the module no longer insists on an 8-bit weight
 
 elif _BROKEN == "micro_step_refresh":
     from lp_lightning.lightning.low_precision import LowPrecisionPlugin

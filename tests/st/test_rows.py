@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 
 from lp_lightning.st.cases import CASES, FSDP_ROWS, ROW_RUNS, STSettings, build_runs, case_by_name, runs_for_rows
-from lp_lightning.st.rows import Row, evaluate_rows, q3_06, q3_07, q3_09, q3_10, q3_11, unit_roundoff
+from lp_lightning.st.rows import (
+    Row,
+    accumulation_refresh_row,
+    dcp_resume_row,
+    evaluate_rows,
+    hif8_gather_scales_row,
+    illegal_configurations_row,
+    performance_ratio_row,
+    unit_roundoff,
+)
 from lp_lightning.st.runner import RunResult, load_run, run_config
 
 from ._synthetic import SETTINGS, refresh, run_result, summary
@@ -53,11 +62,11 @@ def test_load_run_reads_summary_and_per_rank_probe_files(tmp_path):
 def test_q3_07_fails_on_a_micro_step_refresh(tmp_path):
     good = {f"accum/{c}": run_result(f"accum/{c}", tmp_path, summary(), {"refresh": [refresh(), refresh()]})
             for c in ("mxfp8", "hif8_current")}
-    assert q3_07(good, SETTINGS).verdict == "pass"
+    assert accumulation_refresh_row(good, SETTINGS).verdict == "pass"
     bad = dict(good)
     bad["accum/hif8_current"] = run_result("accum/hif8_current", tmp_path, summary(),
                                            {"refresh": [refresh(micro=4), refresh()]})
-    row = q3_07(bad, SETTINGS)
+    row = accumulation_refresh_row(bad, SETTINGS)
     assert row.verdict == "fail"
     assert [c.name for c in row.checks if not c.ok] == ["accum/hif8_current rank 0: no refresh on a micro-step"]
 
@@ -66,7 +75,7 @@ def test_one_process_makes_the_fsdp_rows_not_applicable_unless_a_check_fails(tmp
     one = dataclasses.replace(SETTINGS, devices=1)
     good = {f"accum/{c}": run_result(f"accum/{c}", tmp_path, summary(), {"refresh": [refresh()]}, settings=one)
             for c in ("mxfp8", "hif8_current")}
-    kwargs = {"illegal": None, "reshard_after_forward": True, "targets": {}}
+    kwargs = {"illegal": None, "reshard_after_forward": True, "targets": {}, "never_replace": ()}
     (row,) = evaluate_rows(good, one, only=["Q3-07"], **kwargs)
     assert row.verdict == "not-applicable" and "--devices 1" in row.not_applicable and "shards nothing" in row.not_applicable
     assert all(c.ok for c in row.checks)
@@ -105,7 +114,7 @@ def test_q3_06_without_forward_backward_pairs(tmp_path):
         extra = {"sharding": {"reshard_after_forward": flag}, "wire": {"high_precision_gathers_of_replaced": 0},
                  "replacement": {"replaced": [{"fqn": "model.l"}]}}
         runs[name] = run_result(name, tmp_path, summary(**extra), traces)
-    row = q3_06(runs, SETTINGS, True)
+    row = hif8_gather_scales_row(runs, SETTINGS, True)
     pairs = {c.name.split(":")[0]: c for c in row.checks if "forward and backward" in c.name}
     assert not pairs["probe/hif8_current"].ok  # reshard=true must have forward/backward pairs
     assert pairs["reshard/hif8_current"].ok and "one gather serves" in pairs["reshard/hif8_current"].not_applicable
@@ -115,7 +124,7 @@ def test_q3_07_fails_when_a_run_is_missing_or_failed(tmp_path):
     runs = {"accum/mxfp8": run_result("accum/mxfp8", tmp_path, summary(), {"refresh": [refresh()]})}
     runs["accum/mxfp8"].exit_code = 1
     runs["accum/mxfp8"].error = "exit status 1; boom"
-    row = q3_07(runs, SETTINGS)
+    row = accumulation_refresh_row(runs, SETTINGS)
     assert row.verdict == "fail"
     assert {c.name for c in row.checks} == {"accum/mxfp8 finished", "accum/hif8_current ran"}
 
@@ -143,15 +152,17 @@ def test_q3_09_needs_bit_identical_state_not_only_a_close_loss(tmp_path, monkeyp
     import lp_lightning.st.rows as rows
 
     monkeypatch.setattr(rows, "_checkpoint_checks", lambda row, path, case, step: row.check("ckpt", True, 0, 0))
-    assert q3_09(_q3_09_runs(tmp_path, "s", 2.8), SETTINGS).verdict == "pass"
-    names = [c.name for c in q3_09(_q3_09_runs(tmp_path, "s", 2.8), SETTINGS).checks if "bit-identical" in c.name]
+    assert dcp_resume_row(_q3_09_runs(tmp_path, "s", 2.8), SETTINGS).verdict == "pass"
+    checks = dcp_resume_row(_q3_09_runs(tmp_path, "s", 2.8), SETTINGS).checks
+    names = [c.name for c in checks if "bit-identical" in c.name]
     assert [n.split(":")[0] for n in names] == ["bf16", "mxfp8", "hif8_current"]
     assert "8-bit" not in names[0] and "8-bit storage" in names[1]  # bf16 has no 8-bit storage
-    row = q3_09(_q3_09_runs(tmp_path, "rebuilt-from-bf16", 2.8), SETTINGS)  # the loss agrees, the storage does not
+    # the loss agrees, the storage does not
+    row = dcp_resume_row(_q3_09_runs(tmp_path, "rebuilt-from-bf16", 2.8), SETTINGS)
     failed = [c for c in row.checks if not c.ok]
     assert row.verdict == "fail" and len(failed) == 1 and "bit-identical" in failed[0].name
     assert "model.w (8-bit storage)" in failed[0].observed[0]
-    row = q3_09(_q3_09_runs(tmp_path, "s", 2.8 * (1 + 2 * unit_roundoff("mxfp8"))), SETTINGS)
+    row = dcp_resume_row(_q3_09_runs(tmp_path, "s", 2.8 * (1 + 2 * unit_roundoff("mxfp8"))), SETTINGS)
     assert [c.name for c in row.checks if not c.ok] == ["mxfp8: first resumed loss within tolerance"]
 
 
@@ -163,9 +174,10 @@ def test_unit_roundoff_comes_from_the_formats():
 def test_q3_10_fails_on_one_case():
     ok = {"id": "a", "section15_row": "parallel", "expected_stage": "parse", "observed_stage": "parse",
           "exit_code": 2, "must_mention": ["tensor_parallel_size"], "mentions_ok": True, "pass": True}
-    assert q3_10([ok]).verdict == "pass"
-    assert q3_10([ok, {**ok, "id": "b", "pass": False, "observed_stage": "after model build"}]).verdict == "fail"
-    assert q3_10(None).verdict == "fail"
+    assert illegal_configurations_row([ok]).verdict == "pass"
+    failed = {**ok, "id": "b", "pass": False, "observed_stage": "after model build"}
+    assert illegal_configurations_row([ok, failed]).verdict == "fail"
+    assert illegal_configurations_row(None).verdict == "fail"
 
 
 def test_q3_11_is_not_applicable_on_the_emulated_backend_and_judged_on_npu(tmp_path):
@@ -175,14 +187,14 @@ def test_q3_11_is_not_applicable_on_the_emulated_backend_and_judged_on_npu(tmp_p
 
     runs = {"main/bf16": main("bf16", 1.0, "none"), "main/mxfp8": main("mxfp8", 1.5, "emulated"),
             "main/hif8_current": main("hif8_current", 1.2, "emulated")}
-    row = q3_11(runs, SETTINGS)
+    row = performance_ratio_row(runs, SETTINGS)
     assert row.verdict == "not-applicable" and "emulation's cost" in row.not_applicable
     perf = row.evidence["performance"]
     assert perf["mxfp8"]["step_time_ratio"] == pytest.approx(1.5) and perf["mxfp8"]["throughput_ratio"] == pytest.approx(1 / 1.5)
     assert perf["bf16"]["warmup_steps_excluded"] == 1 and perf["bf16"]["steady_steps"] == 3
     runs["main/mxfp8"] = main("mxfp8", 0.9, "npu")
     runs["main/hif8_current"] = main("hif8_current", 1.2, "npu")
-    row = q3_11(runs, SETTINGS)
+    row = performance_ratio_row(runs, SETTINGS)
     assert row.verdict == "fail"
     assert {c.name for c in row.checks if not c.ok} == {"hif8_current: throughput_ratio >= 1",
                                                          "hif8_current: step_time_ratio <= 1"}

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from lp_lightning.formats._compile import fused
+from lp_lightning.formats.group_list import group_row_counts
 from lp_lightning.formats.mxfp8.e8m0 import E4M3_MAX, e8m0_code_values, rceil_codes
 
 __all__ = [
@@ -579,33 +580,6 @@ def dequantize(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_group_list(fn: str, group_list: object, num_tokens: int | None) -> list[int]:
-    """Validate per-group row counts (and their sum when ``num_tokens`` is given); return them."""
-    if not isinstance(group_list, torch.Tensor):
-        raise TypeError(
-            f"{fn}: group_list must be a torch.Tensor of int64 per-group row counts "
-            f"(torch_npu group_list_type=1), got {type(group_list).__name__}."
-        )
-    if group_list.dtype != torch.int64:
-        raise TypeError(
-            f"{fn}: group_list must have dtype torch.int64 (per-group row counts), got {group_list.dtype}. "
-            "Use group_list.to(torch.int64)."
-        )
-    if group_list.dim() != 1:
-        raise ValueError(f"{fn}: group_list must be 1-D [G], got shape {tuple(group_list.shape)}.")
-    counts = [int(c) for c in group_list.detach().cpu().tolist()]
-    negative = [c for c in counts if c < 0]
-    if negative:
-        raise ValueError(f"{fn}: group_list holds negative row counts {negative[:8]}; counts must be >= 0.")
-    if num_tokens is not None and sum(counts) != num_tokens:
-        raise ValueError(
-            f"{fn}: group_list sums to {sum(counts)} rows but the tensor has {num_tokens} rows (dim 0). "
-            "group_list holds per-group row COUNTS (group_list_type=1), not cumulative ends; they must "
-            "add up to T."
-        )
-    return counts
-
-
 def grouped_scale_rows(group_list: torch.Tensor) -> int:
     """Number of col-scale rows of a grouped tensor: ``sum_g ceil(n_g / 32)`` (empty groups add 0).
 
@@ -618,7 +592,7 @@ def grouped_scale_rows(group_list: torch.Tensor) -> int:
     Raises:
         TypeError, ValueError: for a malformed ``group_list``.
     """
-    counts = _check_group_list("mxfp8.grouped_scale_rows", group_list, None)
+    counts = group_row_counts(group_list, None, "mxfp8.grouped_scale_rows")
     return sum(_num_blocks(c) for c in counts)
 
 
@@ -674,7 +648,7 @@ def quantize_grouped(
     """
     orientation = _check_orientation("mxfp8.quantize_grouped", orientation)
     x_TK = _check_grouped_input("mxfp8.quantize_grouped", x_TK, orientation)
-    counts = _check_group_list("mxfp8.quantize_grouped", group_list, x_TK.shape[0])
+    counts = group_row_counts(group_list, x_TK.shape[0], "mxfp8.quantize_grouped")
     if orientation == "row" or all(c % BLOCK_SIZE == 0 for c in counts):
         # Row blocks never cross tokens; with 32-aligned groups col blocks never cross groups either.
         return quantize(x_TK, orientation=orientation)
@@ -715,7 +689,7 @@ def dequantize_grouped(
     if not isinstance(data, torch.Tensor) or data.dim() != 2:
         shape = tuple(data.shape) if isinstance(data, torch.Tensor) else type(data).__name__
         raise ValueError(f"{fn}: data must be a 2-D [T, K] float8_e4m3fn tensor, got {shape}.")
-    counts = _check_group_list(fn, group_list, data.shape[0])
+    counts = group_row_counts(group_list, data.shape[0], fn)
     if orientation == "row":
         return dequantize(data, scale, orientation="row", output_dtype=output_dtype)
     expected = (sum(_num_blocks(c) for c in counts), data.shape[1])

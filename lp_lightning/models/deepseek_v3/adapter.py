@@ -10,7 +10,15 @@ replacement plan, the FSDP2 application and the precision plugin:
 - the causal LM inside a module or wrapper (:func:`resolve_causal_lm`), its decoder layers
   ``model.layers`` (:func:`decoder_layers`, the FSDP2 and recompute units), the MoE routers HF keeps
   in FP32 (:func:`modules_kept_in_fp32`), and the meta twin the plan is compiled on
-  (:func:`~lp_lightning.models.deepseek_v3.spec.build_meta_model`).
+  (:func:`~lp_lightning.models.deepseek_v3.spec.build_meta_model`);
+
+and the planner, the acceptance harness and the CLI:
+
+- the named specs (:data:`~lp_lightning.models.deepseek_v3.spec.SPECS`) and the meta model of a spec
+  or config path;
+- the design spec §1.1 target groups found from the model's structure (:func:`deepseek_v3_target_groups`);
+- the saved-for-backward bytes per decoder layer
+  (:func:`~lp_lightning.models.deepseek_v3.activations.deepseek_v3_activations`).
 
 Nothing low-precision is imported here: the routed-experts factory is the dotted path
 :data:`DEEPSEEK_V3_EXPERTS_FACTORY`, imported by ``plan.apply`` only (mxfp8/hif8 runs). The plan
@@ -21,17 +29,20 @@ which uses the structure lookups alone, imports no part of it (design spec §13.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import json
+import os
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from lp_lightning.models.adapter import LINEAR_FACTORY, hf_model_type
-from lp_lightning.models.deepseek_v3.spec import build_meta_model
+from lp_lightning.models.adapter import LINEAR_FACTORY, ActivationTerms, hf_model_type
+from lp_lightning.models.deepseek_v3.spec import SPECS, build_meta_model
 
 if TYPE_CHECKING:
+    from lp_lightning.formats.spec import FormatSpec
     from lp_lightning.plan import NeverReplaceRule, ReplacementFactory, ReplacementRule
 
 __all__ = [
@@ -43,6 +54,7 @@ __all__ = [
     "decoder_layers",
     "deepseek_v3_default_rules",
     "deepseek_v3_never_replace",
+    "deepseek_v3_target_groups",
     "modules_kept_in_fp32",
     "resolve_causal_lm",
 ]
@@ -181,6 +193,39 @@ def deepseek_v3_default_rules(
     return tuple(rules)
 
 
+def deepseek_v3_target_groups(model: nn.Module) -> dict[str, list[str]]:
+    """The design spec §1.1 targets of a DeepSeek-V3 model, found from its structure (not from a plan).
+
+    Groups, in ``named_modules()`` order: ``mla`` (the ``nn.Linear`` projections of every
+    ``self_attn``), ``dense_mlp`` / ``shared_experts`` (the ``nn.Linear`` of a dense ``mlp`` / of
+    ``mlp.shared_experts``) and ``routed_experts`` (HF's stacked experts module).
+    """
+    experts_type = DEEPSEEK_V3_EXPERTS_TYPE.rsplit(".", 1)[1]
+    targets: dict[str, list[str]] = {"mla": [], "dense_mlp": [], "shared_experts": [], "routed_experts": []}
+    for fqn, module in model.named_modules():
+        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        if type(module).__name__ == experts_type:
+            targets["routed_experts"].append(fqn)
+        elif type(module) is nn.Linear and parent.endswith(".self_attn"):
+            targets["mla"].append(fqn)
+        elif type(module) is nn.Linear and parent.endswith(".mlp.shared_experts"):
+            targets["shared_experts"].append(fqn)
+        elif type(module) is nn.Linear and parent.endswith(".mlp"):
+            targets["dense_mlp"].append(fqn)
+    return targets
+
+
+def _local_model_type(path: str) -> str | None:
+    """``model_type`` of a local ``config.json`` (file, or folder holding one; absent: DeepSeek-V3's), else ``None``."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type", DeepseekV3Adapter.name) if isinstance(config, dict) else None
+
+
 def resolve_causal_lm(module: nn.Module) -> nn.Module:
     """Finds the HF causal LM (``X.model.layers`` is its decoder-layer list) in ``module``.
 
@@ -246,6 +291,7 @@ class DeepseekV3Adapter:
 
     name = "deepseek_v3"
     glob_hint: str | None = DEEPSEEK_V3_GLOB_HINT
+    specs: Mapping[str, Mapping[str, Any]] = SPECS
 
     @property
     def never_replace(self) -> tuple[NeverReplaceRule, ...]:
@@ -276,6 +322,40 @@ class DeepseekV3Adapter:
         """``build_meta_model`` of ``causal_lm``'s config with its attention backend (``sdpa`` when unset)."""
         config = causal_lm.config
         return build_meta_model(config, attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa")
+
+    def builds(self, config_name_or_path: str | os.PathLike[str]) -> bool:
+        """A key of :data:`SPECS`, or a local ``config.json`` (file or folder) of ``model_type`` ``deepseek_v3``."""
+        name = os.fspath(config_name_or_path)
+        return name in SPECS or _local_model_type(name) == self.name
+
+    def build_meta_model(
+        self, config: Any, *, config_overrides: Mapping[str, Any] | None = None, attn_implementation: str = "sdpa"
+    ) -> nn.Module:
+        """See :func:`~lp_lightning.models.deepseek_v3.spec.build_meta_model` (BF16, eager experts)."""
+        return build_meta_model(config, config_overrides=config_overrides, attn_implementation=attn_implementation)
+
+    def target_groups(self, model: nn.Module) -> dict[str, list[str]]:
+        """See :func:`deepseek_v3_target_groups`."""
+        return deepseek_v3_target_groups(model)
+
+    def activation_terms(
+        self,
+        config: Any,
+        *,
+        micro_batch_size: int,
+        seq_len: int,
+        low_precision_modules: Collection[str],
+        format: FormatSpec | None,
+        activation_dtype: torch.dtype,
+    ) -> ActivationTerms:
+        """See :func:`~lp_lightning.models.deepseek_v3.activations.deepseek_v3_activations`."""
+        # Reads format specs and storage sizes: loaded by the planner only, never by a bf16 fit (design spec §13.1).
+        from lp_lightning.models.deepseek_v3.activations import deepseek_v3_activations
+
+        return deepseek_v3_activations(
+            config, micro_batch_size=micro_batch_size, seq_len=seq_len, low_precision_modules=low_precision_modules,
+            format=format, activation_dtype=activation_dtype,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -49,7 +49,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Exper
 
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
 from lp_lightning.functional.grouped_linear import low_precision_grouped_swiglu
-from lp_lightning.functional.linear import is_low_precision_weight
+from lp_lightning.functional.linear import selects_low_precision_operand
 from lp_lightning.modules.linear import check_factory_arguments, copy_plain_attributes
 from lp_lightning.policy import LowPrecisionPolicy
 
@@ -134,7 +134,7 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
         who = f"DeepseekV3LowPrecisionExperts {self.fqn!r}"
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(self, name)
-            if not is_low_precision_weight(weight):
+            if not selects_low_precision_operand(weight):
                 raise TypeError(
                     f"{who}: {name} is still the plain high-precision Parameter {tuple(weight.shape)}; build the "
                     f"{self.recipe.format.name} weights after applying the plan with "

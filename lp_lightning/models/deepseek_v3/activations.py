@@ -1,5 +1,8 @@
 """What autograd saves for backward in one DeepSeek-V3 training micro-batch (``lp-lightning plan``; docs/planner.md).
 
+The DeepSeek-V3 adapter's ``activation_terms`` (:class:`~lp_lightning.models.adapter.ActivationTerms`);
+the planner adds the terms up per ``activation_checkpoint`` mode.
+
 Derived from HF transformers' DeepSeek-V3 modules (MLA attention, dense MLP, MoE with router,
 routed and shared experts) and from this package's low-precision autograd functions, tensor by
 tensor, for ``T = b·s`` tokens (micro batch ``b``, sequence length ``s``), activation dtype ``a``
@@ -34,57 +37,29 @@ bytes (BF16: 2) and, in mxfp8/hif8, 8-bit data of ``d`` bytes (1) per element:
   their rows depend on the routing; the bound used is ``E - 1`` experts with one row each
   (``ceil(R/32) + E - 1`` rows at most).
 - **Outside the layers**: the embedding's int64 token ids ``8T``, the final norm, the LM head's
-  input ``a·T·H``, the int64 labels of the cross entropy ``8T``. The logits are their own term (:attr:`ActivationEstimate.loss_logits`): BF16
-  logits, their FP32 copy and the FP32 log-softmax output (saved) in forward (``10·T·V``), the
-  saved log-softmax output, the NLL gradient and the log-softmax gradient at the start of backward
-  (``12·T·V``).
+  input ``a·T·H``, the int64 labels of the cross entropy ``8T``. The logits are their own term
+  (:attr:`~lp_lightning.models.adapter.ActivationTerms.loss_logits`): BF16 logits, their FP32 copy
+  and the FP32 log-softmax output (saved) in forward (``10·T·V``), the saved log-softmax output,
+  the NLL gradient and the log-softmax gradient at the start of backward (``12·T·V``).
 
-``activation_checkpoint="full"`` keeps each decoder layer's input ``a·T·H`` and, in backward, the
-saved tensors of the one layer being recomputed.
+``activation_checkpoint="full"`` keeps each decoder layer's input ``a·T·H`` (``layer_input``) and,
+in backward, the saved tensors of the one layer being recomputed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lp_lightning.formats.spec import FormatSpec
+from lp_lightning.models.adapter import ActivationTerms
 from lp_lightning.tensor.storage import nbytes
 
-__all__ = ["ActivationEstimate", "deepseek_v3_activations"]
+__all__ = ["deepseek_v3_activations"]
 
 _FP32, _INT64 = 4, 8
-
-
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Saved-for-backward bytes of one micro-batch (module docstring).
-
-    Attributes:
-        layers: Per decoder layer, ``{term: bytes}`` saved with ``activation_checkpoint="off"``.
-        outside: ``{term: bytes}`` saved outside the decoder layers.
-        layer_input: Bytes of one decoder layer's input (what ``"full"`` keeps per layer).
-        loss_logits: Peak bytes of the logits-sized tensors around the loss.
-        activation_checkpoint: ``"off"`` or ``"full"``.
-    """
-
-    layers: tuple[dict[str, int], ...]
-    outside: dict[str, int]
-    layer_input: int
-    loss_logits: int
-    activation_checkpoint: str
-
-    @property
-    def saved_bytes(self) -> int:
-        """Bytes saved for backward at the end of forward (the layers' and the outside terms)."""
-        per_layer = [sum(terms.values()) for terms in self.layers]
-        outside = sum(self.outside.values())
-        if self.activation_checkpoint == "off":
-            return sum(per_layer) + outside
-        return len(per_layer) * self.layer_input + max(per_layer, default=0) + outside
 
 
 def deepseek_v3_activations(
@@ -94,11 +69,10 @@ def deepseek_v3_activations(
     seq_len: int,
     low_precision_modules: Collection[str],
     format: FormatSpec | None,
-    activation_checkpoint: str = "off",
     activation_dtype: torch.dtype = torch.bfloat16,
     layer_prefix: str = "model.layers",
-) -> ActivationEstimate:
-    """The saved-for-backward bytes of a DeepSeek-V3 micro-batch (module docstring; docs/planner.md).
+) -> ActivationTerms:
+    """The saved-for-backward bytes of a DeepSeek-V3 micro-batch, per term (module docstring; docs/planner.md).
 
     Args:
         config: The model's ``DeepseekV3Config``.
@@ -106,12 +80,11 @@ def deepseek_v3_activations(
         seq_len: Tokens per sequence ``s``.
         low_precision_modules: FQNs of the modules the plan made low precision.
         format: Their ``FormatSpec`` (``None`` in bf16).
-        activation_checkpoint: ``"off"`` or ``"full"``.
         activation_dtype: The compute dtype (FSDP2 ``param_dtype``).
         layer_prefix: FQN of the decoder-layer list.
 
     Returns:
-        The :class:`ActivationEstimate`.
+        The :class:`~lp_lightning.models.adapter.ActivationTerms` (no recompute applied).
     """
     c = _Counter(config, micro_batch_size * seq_len, seq_len, frozenset(low_precision_modules), format, activation_dtype)
     layers = tuple(c.layer(f"{layer_prefix}.{i}", i) for i in range(config.num_hidden_layers))
@@ -124,7 +97,7 @@ def deepseek_v3_activations(
     }
     vocab_tokens = c.T * config.vocab_size
     loss_logits = max((c.a + 2 * _FP32) * vocab_tokens, 3 * _FP32 * vocab_tokens)
-    return ActivationEstimate(layers, outside, c.a * c.T * config.hidden_size, loss_logits, activation_checkpoint)
+    return ActivationTerms(layers, outside, c.a * c.T * config.hidden_size, loss_logits)
 
 
 class _Counter:

@@ -1,11 +1,12 @@
-"""The activation formula of ``lp-lightning plan`` against what autograd really saves (docs/planner.md).
+"""The DeepSeek-V3 adapter's activation formula (``lp-lightning plan``) against what autograd saves (docs/planner.md).
 
 A two-layer dsv3-tiny (one dense, one MoE layer) runs one forward and the training loss on CPU in
 each precision, under ``torch.autograd.graph.saved_tensors_hooks``; every saved tensor still alive
 at the end of forward is counted once per storage (parameters excluded: FSDP2 frees the gathered
 weights at reshard), tagged with the decoder layer that saved it first. The planner's per-layer terms must match those bytes exactly,
 except the MXFP8 grouped col scales of the routed experts, whose rows depend on the routing (the
-formula takes the documented bound, at most ``(E - 1)·(H + F)`` bytes above).
+formula takes the documented bound, at most ``(E - 1)·(H + F)`` bytes above). The planner's sum under
+full recompute (``saved_activation_bytes``) is checked against the same measurement.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from lp_lightning.distributed.fsdp import apply_activation_checkpointing
 from lp_lightning.formats.spec import as_spec
 from lp_lightning.integration import refresh_low_precision_weights
 from lp_lightning.lightning.low_precision import LowPrecisionPlugin
+from lp_lightning.models import DEEPSEEK_V3
 from lp_lightning.models.deepseek_v3 import from_hf_config
-from lp_lightning.planner.activations import deepseek_v3_activations
+from lp_lightning.models.deepseek_v3.activations import deepseek_v3_activations
+from lp_lightning.planner.memory import saved_activation_bytes
 
 BATCH, SEQ = 2, 64
 
@@ -104,9 +107,9 @@ def _measure_saved(model, *, checkpoint: bool = False) -> dict[str, int]:
 def test_saved_activations_match_the_formula(precision, overrides):
     model, lp, fmt = _model(precision, overrides)
     measured = _measure_saved(model)
-    est = deepseek_v3_activations(
+    est = DEEPSEEK_V3.activation_terms(
         model.config, micro_batch_size=BATCH, seq_len=SEQ, low_precision_modules=lp,
-        format=None if fmt is None else as_spec(fmt),
+        format=None if fmt is None else as_spec(fmt), activation_dtype=torch.bfloat16,
     )
     cfg = model.config
     T, V = BATCH * SEQ, cfg.vocab_size
@@ -127,10 +130,8 @@ def test_full_recompute_keeps_only_the_layer_inputs():
     model, lp, _ = _model("bf16", {})
     measured = _measure_saved(model, checkpoint=True)
     off = deepseek_v3_activations(model.config, micro_batch_size=BATCH, seq_len=SEQ, low_precision_modules=lp, format=None)
-    full = deepseek_v3_activations(
-        model.config, micro_batch_size=BATCH, seq_len=SEQ, low_precision_modules=lp, format=None,
-        activation_checkpoint="full",
-    )
+    full = deepseek_v3_activations(model.config, micro_batch_size=BATCH, seq_len=SEQ, low_precision_modules=lp,
+                                   format=None)
     T, V = BATCH * SEQ, model.config.vocab_size
     rotary = off.outside["rotary cos/sin"]  # a keyword input of every checkpointed layer: held, not saved
     assert set(measured) == {"outside"}
@@ -138,5 +139,5 @@ def test_full_recompute_keeps_only_the_layer_inputs():
     assert measured["outside"] == sum(off.outside.values()) - rotary + 4 * T * V + 4 + layers * full.layer_input
     per_layer = [sum(t.values()) for t in off.layers]
     assert full.layer_input == 2 * T * model.config.hidden_size
-    assert full.saved_bytes == 2 * full.layer_input + max(per_layer) + sum(off.outside.values())
-    assert full.saved_bytes < off.saved_bytes
+    assert saved_activation_bytes(full, "full") == 2 * full.layer_input + max(per_layer) + sum(off.outside.values())
+    assert saved_activation_bytes(full, "full") < saved_activation_bytes(off, "off")
