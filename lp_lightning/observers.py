@@ -9,7 +9,7 @@ hooks only; they never wrap a method or read private state. Observers run synchr
 emitting thread, must not mutate what they are shown, and are called in registration order.
 
 The stage events (:func:`add_stage_observer`) live here because two layers emit them: the CLI
-(``launch_check``, ``instantiate_classes``) and the FSDP2 strategies (``startup_gate``,
+(``launch_check``, ``meta_model_build``, ``instantiate_classes``) and the FSDP2 strategies (``startup_gate``,
 ``model_build``, ``plan_apply``, ``fully_shard``, ``optimizer_check``, ``training_step``); the
 acceptance harness judges the design spec §15 stage of an illegal run from them.
 
@@ -91,11 +91,11 @@ class StageEvent:
     """A launch stage of a run was entered, or ended with an error (:func:`stage`).
 
     Attributes:
-        stage: The stage's name, in run order: ``launch_check`` (the CLI's launch checks),
-            ``instantiate_classes`` (the CLI builds model, data module and Trainer), ``startup_gate``,
-            ``model_build`` (``configure_model``), ``plan_apply`` (the precision plugin converts the
-            built model), ``fully_shard`` (the strategy shards it), ``optimizer_check``,
-            ``training_step`` (every step).
+        stage: The stage's name, in run order: ``launch_check`` (the CLI's launch checks; inside
+            it ``meta_model_build``, the meta model the plan is checked on), ``instantiate_classes``
+            (the CLI builds model, data module and Trainer), ``startup_gate``, ``model_build``
+            (``configure_model``), ``plan_apply`` (the precision plugin converts the built model),
+            ``fully_shard`` (the strategy shards it), ``optimizer_check``, ``training_step`` (every step).
         outcome: ``"entered"``, or ``"raised <ErrorType>"`` when the stage ended with that error.
     """
 

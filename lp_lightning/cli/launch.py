@@ -30,6 +30,7 @@ from lp_lightning.distributed.checkpoint import (
 from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.datamodule import check_batch_geometry
 from lp_lightning.lightning.precision import LowPrecisionPlugin
+from lp_lightning.observers import stage
 
 __all__ = ["NothingToDo", "check_launch", "is_rank_zero", "launch_world_size"]
 
@@ -217,11 +218,12 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
     from lp_lightning.models.deepseek_v3 import build_meta_model
 
     model = section["model"]
-    meta = build_meta_model(
-        model.get("config_name_or_path"),
-        config_overrides=model.get("config_overrides"),
-        attn_implementation=model.get("attn_implementation") or "sdpa",
-    )
+    with stage("meta_model_build"):
+        meta = build_meta_model(
+            model.get("config_name_or_path"),
+            config_overrides=model.get("config_overrides"),
+            attn_implementation=model.get("attn_implementation") or "sdpa",
+        )
     plugin = LowPrecisionPlugin(section["precision"], plan_rules=plan_rules)
     plugin.compile_plan(meta).apply(meta)
     fallback = section["fsdp_config"].get("fallback_to_unsharded")
