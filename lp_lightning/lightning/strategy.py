@@ -23,7 +23,11 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   same names (:mod:`lp_lightning.distributed.checkpoint`);
 * the optimizer must be ``torch.optim.AdamW`` over the FP32 masters with FP32 moments, checked when
   the Trainer creates it (``configure_optimizers``) and when ``fabric.setup_optimizers`` receives it
-  (:func:`~lp_lightning.distributed.optimizer.check_optimizer`, design spec §15).
+  (:func:`~lp_lightning.distributed.optimizer.check_optimizer`, design spec §15);
+* stage events (:func:`lp_lightning.observers.stage`) on entering, or failing in, the startup gate,
+  ``configure_model`` (``model_build``), ``convert_module`` (``plan_apply``), the sharding that
+  follows (``fully_shard``), the optimizer check and each training step: what ``lp-lightning st``
+  reads a design spec §15 stage from.
 
 The LightningModule must hold the HF causal LM at ``.model`` (a model type with a registered
 :class:`~lp_lightning.models.adapter.ModelAdapter`, which says where its decoder layers are) and may
