@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 import lp_lightning.models.deepseek_v3 as deepseek_v3
-from lp_lightning.cli import LPLightningCLI, _check_launch, main, parse_config
+from lp_lightning.cli import main
+from lp_lightning.cli.fit import LPLightningCLI, parse_config
+from lp_lightning.cli.launch import check_launch
 from lp_lightning.lightning.progress import default_progress_bar
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -42,6 +45,17 @@ def test_parse_config_leaves_the_rngs_alone():
     config = parse_config([])
     assert config.seed_everything == 0  # the value a fit run seeds with is still parsed
     assert torch.equal(torch.get_rng_state(), state) and random.getstate() == py_state
+
+
+def test_parse_config_parses_its_args_whatever_sys_argv_holds(monkeypatch, recwarn):
+    """``lp-lightning plan``/``st`` parse a fit YAML inside a process whose ``sys.argv`` holds their own
+    options: the args given are parsed, sys.argv is neither read nor swapped, and nothing warns."""
+    argv = ["lp-lightning", "st", "--out", "runs/st"]
+    monkeypatch.setattr("sys.argv", argv)
+    config = parse_config(["--config", str(CONFIGS / "dsv3_tiny.yaml"), "--precision", "hif8"])
+    assert config.precision == "hif8"
+    assert sys.argv is argv and sys.argv == ["lp-lightning", "st", "--out", "runs/st"]
+    assert not [w for w in recwarn if "args parameter" in str(w.message)], [str(w.message) for w in recwarn]
 
 
 def _cli_configs() -> list:
@@ -217,7 +231,7 @@ def test_a_cluster_environment_plugin_is_passed_through(tmp_path):
     """SLURM/LSF/... users may name their ClusterEnvironment; only precision plugins are lp-lightning's."""
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
-    from lp_lightning.cli import LPLightningCLI
+    from lp_lightning.cli.fit import LPLightningCLI
     from lp_lightning.lightning import LowPrecisionPlugin
 
     cli = LPLightningCLI(args=["--trainer.plugins", "lightning.pytorch.plugins.environments.LightningEnvironment",
@@ -355,7 +369,7 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     root = ["--trainer.default_root_dir", str(tmp_path)]
     section = parse_config(root)
     section["ckpt_path"] = "last"
-    _check_launch(section)  # what `lp-lightning fit --ckpt_path last` runs while parsing
+    check_launch(section)  # what `lp-lightning fit --ckpt_path last` runs while parsing
     assert section["ckpt_path"] == str(newest)
     assert f"ckpt_path=last skips {str(damaged)!r}" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -374,7 +388,7 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
                                     optimizer_states={}, metadata={}, rank=0, allow_nonfinite=True)
     section = parse_config(root)
     section["ckpt_path"] = "last"
-    _check_launch(section)
+    check_launch(section)
     assert section["ckpt_path"] == str(newest)
     err = capsys.readouterr().err
     assert f"ckpt_path=last skips {str(truncated)!r} (file '.metadata' holds 10 bytes, the save wrote" in err
@@ -395,7 +409,7 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     assert Resolved(args=["fit", *root, "--ckpt_path", str(newest)]).trainer.strategy.resume_fallback is False
     fresh = parse_config(["--trainer.default_root_dir", str(tmp_path / "empty")])
     fresh["ckpt_path"] = "last"
-    _check_launch(fresh)  # nothing to resume yet: start from step 0, as Lightning's "last"
+    check_launch(fresh)  # nothing to resume yet: start from step 0, as Lightning's "last"
     assert fresh["ckpt_path"] is None
     assert "ckpt_path=last: no complete checkpoint" in capsys.readouterr().err
     newer = _fake_checkpoint(checkpoints / "step-000070")  # intact and written after the damaged one
@@ -415,5 +429,5 @@ def test_ckpt_path_last_on_a_completed_run_exits_0_with_nothing_to_do(tmp_path, 
     assert "Traceback" not in err and no_model_build == []
     section = parse_config([*root, "--trainer.max_steps", "30"])
     section["ckpt_path"] = "last"
-    _check_launch(section)  # more steps asked: resume
+    check_launch(section)  # more steps asked: resume
     assert section["ckpt_path"].endswith("step-000020")

@@ -6,7 +6,7 @@ Stages (as the spec names them; how this repository realises each):
   before any class is instantiated (``LPLightningCLI.instantiate_classes`` is never called, no model
   is built);
 - **launch**: the same exit 2, after the checks that need the config's meta model
-  (``cli._check_low_precision_launch``: the replacement plan compiled on the meta twin, the shard
+  (``cli.launch._check_low_precision_launch``: the replacement plan compiled on the meta twin, the shard
   rule over the launch's world size), still before any process, Trainer or model exists;
 - **after model build**: an in-process Trainer run (one rank, gloo) fails after ``configure_model``
   built the model (spec validation), or in the plan compile/apply that follows, before any
@@ -35,7 +35,9 @@ from torch import nn
 
 import lp_lightning.distributed.fsdp as fsdp
 import lp_lightning.models.deepseek_v3 as deepseek_v3
-from lp_lightning.cli import LPLightningCLI, _check_launch, main, parse_config
+from lp_lightning.cli import main
+from lp_lightning.cli.fit import LPLightningCLI, parse_config
+from lp_lightning.cli.launch import check_launch
 from lp_lightning.distributed.optimizer import check_optimizer
 from lp_lightning.lightning import (
     BF16FabricPlugin,
@@ -280,7 +282,7 @@ def test_plan_overrides_from_yaml_and_cli_reach_the_plugin(tmp_path):
     )
     assert [rule["name"] for rule in config.plan_overrides] == ["mla_projections", "dense_mlp", "shared_experts",
                                                                  "routed_experts"]
-    _check_launch(config, plan_rules=rules_from_config(config.plan_overrides))  # fallback true: no error
+    check_launch(config, plan_rules=rules_from_config(config.plan_overrides))  # fallback true: no error
 
 
 def test_plan_overrides_are_applied(tmp_path, isolated_dist):
@@ -413,11 +415,11 @@ def test_missing_data_source_or_tokenizer_fails_at_launch(capsys, nothing_instan
 
 
 def test_16b_mxfp8_passes_the_launch_check_with_input_dim_shards():
-    _check_launch(parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), *NO_NPU]))
+    check_launch(parse_config(["--config", str(CONFIGS / "dsv3_16b_mxfp8.yaml"), *NO_NPU]))
 
 
 def test_legal_shards_pass_the_launch_check():
-    _check_launch(parse_config(["--precision", "mxfp8", "--trainer.devices", "2"]))  # dsv3-tiny over 2 ranks
+    check_launch(parse_config(["--precision", "mxfp8", "--trainer.devices", "2"]))  # dsv3-tiny over 2 ranks
 
 
 # ------------------------------------------------------------------------------------------------

@@ -286,26 +286,9 @@ _NO_TENSOR_MEMORY: dict[str, Any] = {
 """The ``peak_tensor_bytes*`` keys of a run without a measured :class:`TensorMemoryProbe` step."""
 
 
-CPU_THREADS_DEFAULT = 1
-"""Intra-op threads per CPU process when ``OMP_NUM_THREADS`` is unset (docs/performance.md "Threads")."""
-
-_THREADS_DEFAULTED = "LP_LIGHTNING_THREADS_DEFAULTED"  # set when fit chose them; rank processes inherit it
-
-
-def default_cpu_threads() -> None:
-    """One intra-op thread per CPU process unless ``OMP_NUM_THREADS`` says otherwise (``lp-lightning fit``).
-
-    With 2 threads on 2 cores, a step slowed 10-20x whenever anything else ran on the machine:
-    each of the thousands of small parallel regions of a step ends in an OpenMP barrier that waits
-    for a thread the OS has descheduled. One thread per process keeps steps flat and costs little
-    on these model sizes (docs/performance.md "Threads"). The rank processes Lightning starts
-    inherit the setting; ``run_summary.json`` ``threads.set_by`` records who chose.
-    """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    os.environ["OMP_NUM_THREADS"] = str(CPU_THREADS_DEFAULT)
-    os.environ[_THREADS_DEFAULTED] = "1"
-    torch.set_num_threads(CPU_THREADS_DEFAULT)
+THREADS_DEFAULTED_ENV = "LP_LIGHTNING_THREADS_DEFAULTED"
+"""Set to ``1`` by the entry point when it chose the CPU thread default (:func:`lp_lightning.cli.default_cpu_threads`);
+the rank processes inherit it, and ``run_summary.json`` ``threads.set_by`` reads it."""
 
 
 def _threads() -> dict[str, Any]:
@@ -313,7 +296,7 @@ def _threads() -> dict[str, Any]:
         "torch_intra_op": torch.get_num_threads(),
         "torch_inter_op": torch.get_num_interop_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "set_by": "lp-lightning default" if os.environ.get(_THREADS_DEFAULTED) else "user",
+        "set_by": "lp-lightning default" if os.environ.get(THREADS_DEFAULTED_ENV) else "user",
         "cpu_count": os.cpu_count(),
     }
 

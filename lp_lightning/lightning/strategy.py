@@ -23,7 +23,11 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   same names (:mod:`lp_lightning.distributed.checkpoint`);
 * the optimizer must be ``torch.optim.AdamW`` over the FP32 masters with FP32 moments, checked when
   the Trainer creates it (``configure_optimizers``) and when ``fabric.setup_optimizers`` receives it
-  (:func:`~lp_lightning.distributed.optimizer.check_optimizer`, design spec §15).
+  (:func:`~lp_lightning.distributed.optimizer.check_optimizer`, design spec §15);
+* stage events (:func:`lp_lightning.observers.stage`) on entering, or failing in, the startup gate,
+  ``configure_model`` (``model_build``), ``convert_module`` (``plan_apply``), the sharding that
+  follows (``fully_shard``), the optimizer check and each training step: what ``lp-lightning st``
+  reads a design spec §15 stage from.
 
 The LightningModule must hold the HF causal LM at ``.model`` (a model type with a registered
 :class:`~lp_lightning.models.adapter.ModelAdapter`, which says where its decoder layers are) and may
@@ -47,7 +51,8 @@ Fabric (set the model up first, then create the optimizer over the sharded Param
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -88,6 +93,7 @@ from lp_lightning.distributed.fsdp import (
 from lp_lightning.distributed.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.observers import stage
 
 __all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
 
@@ -203,7 +209,9 @@ class _FSDP2Common:
         before the process group and the model exist. The npu accelerator counts as ``npu`` also when
         a test maps its devices to CPU memory."""
         npu = isinstance(self.accelerator, NPUFabricAccelerator)  # type: ignore[attr-defined]
-        self.low_precision_plugin.startup_gate("npu" if npu else self.root_device.type)  # type: ignore[attr-defined]
+        plugin = self.low_precision_plugin  # type: ignore[attr-defined]
+        with stage("startup_gate"):
+            plugin.startup_gate("npu" if npu else self.root_device.type)  # type: ignore[attr-defined]
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or process_group_backend_for(self.root_device.type)  # type: ignore[attr-defined]
@@ -270,6 +278,13 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         return _resolve_causal_lm(self.lightning_module)
 
     @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Lightning runs ``configure_model`` inside: the ``model_build`` stage event (lp_lightning.observers)."""
+        with stage("model_build"), super().model_sharded_context():
+            yield
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Parallelises the model that ``configure_model`` built, then sets up the optimizer.
 
@@ -306,16 +321,26 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
                 reshard_after_forward=self.fsdp_config.reshard_after_forward,
                 activation_checkpoint=activation_checkpoint,
             )
-            parallel_lm, record = parallelize_causal_lm(
-                causal_lm,
-                self.device_mesh,
-                mp_policy=plugin.fsdp_mixed_precision_policy(),
-                reshard_after_forward=self.fsdp_config.reshard_after_forward,
-                activation_checkpoint=activation_checkpoint,
-                convert_module=plugin.convert_module,
-                fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
-                input_dim_sharding=self.fsdp_config.input_dim_sharding,
-            )
+            with ExitStack() as sharding:
+
+                def convert_module(module: nn.Module) -> nn.Module:
+                    """The ``plan_apply`` stage; once it returns, the ``fully_shard`` stage runs to the end of
+                    ``parallelize_causal_lm`` (FP32 upcast, placements, ``fully_shard``)."""
+                    with stage("plan_apply"):
+                        converted = plugin.convert_module(module)
+                    sharding.enter_context(stage("fully_shard"))
+                    return converted
+
+                parallel_lm, record = parallelize_causal_lm(
+                    causal_lm,
+                    self.device_mesh,
+                    mp_policy=plugin.fsdp_mixed_precision_policy(),
+                    reshard_after_forward=self.fsdp_config.reshard_after_forward,
+                    activation_checkpoint=activation_checkpoint,
+                    convert_module=convert_module,
+                    fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
+                    input_dim_sharding=self.fsdp_config.input_dim_sharding,
+                )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
             self._record_parallelization(record, parallel_lm)
@@ -334,8 +359,15 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             ValueError: It holds a non-FP32 parameter or moment (see ``check_optimizer``).
         """
         super().setup_optimizers(trainer)
-        for optimizer in self.optimizers:
-            check_optimizer(optimizer)
+        with stage("optimizer_check"):
+            for optimizer in self.optimizers:
+                check_optimizer(optimizer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's training step, as the ``training_step`` stage event (lp_lightning.observers)."""
+        with stage("training_step"):
+            return super().training_step(*args, **kwargs)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -478,16 +510,17 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
         plugin = self.low_precision_plugin
         causal_lm = _resolve_causal_lm(module)
         _check_materialized(causal_lm)
-        parallel_lm, record = parallelize_causal_lm(
-            causal_lm,
-            mesh,
-            mp_policy=plugin.fsdp_mixed_precision_policy(),
-            reshard_after_forward=self.fsdp_config.reshard_after_forward,
-            activation_checkpoint=self.activation_checkpoint,
-            convert_module=None,  # Fabric already ran precision.convert_module
-            fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
-            input_dim_sharding=self.fsdp_config.input_dim_sharding,
-        )
+        with stage("fully_shard"):
+            parallel_lm, record = parallelize_causal_lm(
+                causal_lm,
+                mesh,
+                mp_policy=plugin.fsdp_mixed_precision_policy(),
+                reshard_after_forward=self.fsdp_config.reshard_after_forward,
+                activation_checkpoint=self.activation_checkpoint,
+                convert_module=None,  # Fabric already ran precision.convert_module
+                fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
+                input_dim_sharding=self.fsdp_config.input_dim_sharding,
+            )
         assert parallel_lm is causal_lm
         self._record_parallelization(record, causal_lm)
         return module
@@ -500,7 +533,8 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             TypeError: ``optimizer`` is not ``torch.optim.AdamW``.
             ValueError: It holds a non-FP32 parameter or moment (see ``check_optimizer``).
         """
-        check_optimizer(optimizer)
+        with stage("optimizer_check"):
+            check_optimizer(optimizer)
         return super().setup_optimizer(optimizer)
 
     @override

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from lp_lightning.models.adapter import ModelAdapter, adapter_for
+from lp_lightning.observers import stage
 from lp_lightning.plan import ModuleReplacementPlan, ReplacementRule, compile_plan, load_rules
 from lp_lightning.policy import LowPrecisionPolicy
 
@@ -46,18 +47,21 @@ def replacement_plan(
             adapter describes ``model``; a ``ValueError`` when an enabled policy's plan replaces no
             module at all (e.g. ``plan_overrides: []``), since every GEMM would then run in BF16.
     """
-    adapter = adapter if adapter is not None else adapter_for(model)
-    causal_lm = adapter.causal_lm(model)
-    if rules is None:
-        resolved: Sequence[ReplacementRule] = adapter.default_replacement_rules(causal_lm.config)
-    elif isinstance(rules, str):
-        resolved = load_rules(rules)
-    else:
-        resolved = tuple(rules)
-    plan = compile_plan(causal_lm, resolved, policy, never_replace=adapter.never_replace, glob_hint=adapter.glob_hint)
-    if policy.enabled and not plan.entries:
-        raise ValueError(
-            f"the replacement plan replaces no module, so precision={policy.precision_name.value!r} would run every "
-            "GEMM in BF16; remove plan_overrides (the model's default targets) or list target FQNs in it."
+    with stage("plan_compile"):  # a stage event for observers (the st harness's §15 table)
+        adapter = adapter if adapter is not None else adapter_for(model)
+        causal_lm = adapter.causal_lm(model)
+        if rules is None:
+            resolved: Sequence[ReplacementRule] = adapter.default_replacement_rules(causal_lm.config)
+        elif isinstance(rules, str):
+            resolved = load_rules(rules)
+        else:
+            resolved = tuple(rules)
+        plan = compile_plan(
+            causal_lm, resolved, policy, never_replace=adapter.never_replace, glob_hint=adapter.glob_hint
         )
+        if policy.enabled and not plan.entries:
+            raise ValueError(
+                f"the replacement plan replaces no module, so precision={policy.precision_name.value!r} would run "
+                "every GEMM in BF16; remove plan_overrides (the model's default targets) or list target FQNs in it."
+            )
     return plan

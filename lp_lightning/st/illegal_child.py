@@ -1,27 +1,30 @@
-"""The child side of :mod:`lp_lightning.st.illegal`: one illegal case run in this process, observed by spies.
+"""The child side of :mod:`lp_lightning.st.illegal`: one illegal case run in this process, observed through stage events.
 
-:func:`run_child` installs the read-only stage spies (``lp_lightning.st.illegal``'s module docstring),
-writes the case's files, runs ``lp_lightning.cli.main(["fit", ...])`` or the case's Trainer/Fabric
-script with stderr kept, prints ``LP_ILLEGAL_OBSERVATION {json}`` and exits with the entry point's
-status. Entry: ``python -m lp_lightning.st.illegal <case-id> <workdir>``.
+:func:`run_child` registers a read-only stage observer (:func:`lp_lightning.observers.add_stage_observer`;
+``lp_lightning.st.illegal``'s module docstring), writes the case's files, runs the entry point it was
+handed (``fit_main(["fit", ...])``, :func:`lp_lightning.cli.main`) or the case's Trainer/Fabric script
+with stderr kept, prints ``LP_ILLEGAL_OBSERVATION {json}`` and exits with the entry point's status.
+Entry: ``python -m lp_lightning.st.illegal <case-id> <workdir> [<module>:<function>]`` (the entry point,
+needed by a CLI case; :func:`pkgutil.resolve_name` form, as ``lp_lightning.cli:main``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import json
 import os
+import pkgutil
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lp_lightning.observers import StageEvent, add_stage_observer
 from lp_lightning.st.illegal import ILLEGAL_CASES, MARKER, IllegalCase, case_argv, plan_rule
 
 __all__ = ["LinearSubclass", "PeftStyleWrapper", "main", "run_child"]
@@ -29,38 +32,20 @@ __all__ = ["LinearSubclass", "PeftStyleWrapper", "main", "run_child"]
 _NO_SUCH_LAYER = "model.layers.9.self_attn.q_proj"  # dsv3-tiny has 3 layers
 
 
-def _install_spies(events: list[list[str]]) -> None:
-    """Wraps the stage functions (``lp_lightning.st.illegal``'s stage table): each call is recorded, then runs as is."""
-    import lp_lightning.cli as cli
-    import lp_lightning.distributed.fsdp as fsdp
-    import lp_lightning.lightning.strategy as strategy
-    import lp_lightning.models.deepseek_v3 as deepseek_v3
-    import lp_lightning.ops.gate as gate
-    from lp_lightning.lightning import DeepSeekV3LM, LowPrecisionFabricPlugin
+def _record_stages(events: list[list[str]]) -> Callable[[StageEvent], None]:
+    """An observer that keeps ``[stage, outcome]`` per stage entered, in entry order; a stage that then
+    raised has its entry's outcome replaced by ``"raised <ErrorType>"``."""
 
-    def spy(owner: Any, attribute: str, name: str) -> None:
-        original = getattr(owner, attribute)
+    def record(event: StageEvent) -> None:
+        if event.outcome == "entered":
+            events.append([event.stage, event.outcome])
+            return
+        for entry in reversed(events):
+            if entry[0] == event.stage and entry[1] == "entered":
+                entry[1] = event.outcome
+                return
 
-        @functools.wraps(original)
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            entry = [name, "entered"]
-            events.append(entry)
-            try:
-                return original(*args, **kwargs)
-            except BaseException as err:
-                entry[1] = f"raised {type(err).__name__}"
-                raise
-
-        setattr(owner, attribute, recorded)
-
-    for owner, attribute, name in (
-        (cli, "_check_launch", "launch_check"), (cli.LPLightningCLI, "instantiate_classes", "instantiate_classes"),
-        (gate, "run_startup_gate", "startup_gate"), (deepseek_v3, "build_meta_model", "meta_model_build"),
-        (deepseek_v3, "from_hf_config", "model_build"), (LowPrecisionFabricPlugin, "compile_plan", "plan_compile"),
-        (LowPrecisionFabricPlugin, "convert_module", "plan_apply"), (fsdp, "fully_shard", "fully_shard"),
-        (strategy, "check_optimizer", "optimizer_check"), (DeepSeekV3LM, "training_step", "training_step"),
-    ):  # fmt: skip
-        spy(owner, attribute, name)
+    return record
 
 
 class PeftStyleWrapper(nn.Module):
@@ -103,29 +88,29 @@ def _fabric_model() -> tuple[Any, Any]:
     from lightning.fabric import Fabric
 
     import lp_lightning.models.deepseek_v3 as deepseek_v3
-    from lp_lightning.lightning import FSDP2FabricStrategy, LowPrecisionFabricPlugin
+    from lp_lightning.lightning import FSDP2FabricStrategy, precision_plugin
 
     fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(),
-                    plugins=[LowPrecisionFabricPlugin("bf16")])  # fmt: skip
+                    plugins=[precision_plugin("bf16", trainer=False)])  # fmt: skip
     fabric.launch()
     return fabric, fabric.setup_module(deepseek_v3.from_hf_config("dsv3-tiny", seed=0))
 
 
 def _script_case(name: str, case_dir: Path) -> None:
     """Runs the script case ``name`` (the rows the CLI cannot express); it is expected to raise."""
-    from lp_lightning.lightning import DeepSeekV3LM, LowPrecisionPlugin
+    from lp_lightning.lightning import DeepSeekV3LM, precision_plugin
     from lp_lightning.plan import rules_from_config
 
     if name == "targets-zero-hits-trainer":
         rules = rules_from_config([plan_rule("mla", "model.layers.0.self_attn.q_proj", _NO_SUCH_LAYER)])
-        _trainer_fit(case_dir, DeepSeekV3LM(), LowPrecisionPlugin("mxfp8", plan_rules=rules))
+        _trainer_fit(case_dir, DeepSeekV3LM(), precision_plugin("mxfp8", plan_rules=rules))
     elif name == "optimizer-sgd-trainer":
 
         class SGDModule(DeepSeekV3LM):
             def configure_optimizers(self) -> Any:
                 return torch.optim.SGD(self.model.parameters(), lr=0.1)
 
-        _trainer_fit(case_dir, SGDModule(), LowPrecisionPlugin("bf16"))
+        _trainer_fit(case_dir, SGDModule(), precision_plugin("bf16"))
     elif name == "optimizer-sgd-fabric":
         fabric, model = _fabric_model()
         fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -162,16 +147,23 @@ def _write_files(case: IllegalCase, case_dir: Path) -> None:
             torch.save(content, case_dir / name)
 
 
-def _observe(case: IllegalCase, case_dir: Path) -> dict[str, Any]:
-    """Runs ``case`` in this process with the spies installed.
+def _observe(case: IllegalCase, case_dir: Path, fit_main: Callable[[Sequence[str]], int] | None) -> dict[str, Any]:
+    """Runs ``case`` in this process with a stage observer registered.
 
     Returns:
-        ``exit_code`` (what the interpreter would exit with), ``events`` (the spies' ``[name, outcome]``
-        in entry order), ``message`` (the usage error after ``error: ``, the startup gate's
-        ``lp-lightning: ...`` line, or the uncaught error's text) and ``error_type`` (its class).
+        ``exit_code`` (what the interpreter would exit with), ``events`` (the stage events'
+        ``[stage, outcome]`` in entry order), ``message`` (the usage error after ``error: ``, the
+        startup gate's ``lp-lightning: ...`` line, or the uncaught error's text) and ``error_type``
+        (its class).
+
+    Raises:
+        ValueError: A CLI case without ``fit_main``.
     """
+    if case.cli_args is not None and fit_main is None:
+        raise ValueError(f"case {case.id!r} runs `lp-lightning fit`: pass the entry point as fit_main "
+                         "(lp_lightning.cli.main).")  # fmt: skip
     events: list[list[str]] = []
-    _install_spies(events)
+    add_stage_observer(_record_stages(events))  # this process runs one case and exits
     _write_files(case, case_dir)
     captured = io.StringIO()
     error_type, message = None, ""
@@ -183,10 +175,8 @@ def _observe(case: IllegalCase, case_dir: Path) -> dict[str, Any]:
 
     try:
         with contextlib.redirect_stderr(Tee()):
-            if case.cli_args is not None:
-                from lp_lightning.cli import main
-
-                exit_code = main(case_argv(case, case_dir))
+            if fit_main is not None and case.cli_args is not None:
+                exit_code = fit_main(case_argv(case, case_dir))
             else:
                 _script_case(case.id, case_dir)
                 exit_code = 0
@@ -202,12 +192,14 @@ def _observe(case: IllegalCase, case_dir: Path) -> dict[str, Any]:
     return {"exit_code": exit_code, "events": events, "message": message, "error_type": error_type}
 
 
-def run_child(case: IllegalCase | str, workdir: str, redirect: bool) -> None:
+def run_child(
+    case: IllegalCase | str, workdir: str, redirect: bool, fit_main: Callable[[Sequence[str]], int] | None = None
+) -> None:
     """Observes one case in this process, prints the observation line, exits with the run's status.
 
     ``redirect`` points this process's stdout/stderr (file descriptors 1 and 2) at
     ``<workdir>/<id>/stdout.txt``/``stderr.txt`` first (a forked child; a spawned one is redirected
-    by its parent).
+    by its parent). ``fit_main`` is the ``lp-lightning`` entry point a CLI case runs.
     """
     if isinstance(case, str):
         case = {c.id: c for c in ILLEGAL_CASES}[case]
@@ -219,15 +211,19 @@ def run_child(case: IllegalCase | str, workdir: str, redirect: bool) -> None:
                 os.dup2(file.fileno(), fd)
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
-    observation = _observe(case, case_dir)
+    observation = _observe(case, case_dir, fit_main)
     print(MARKER + json.dumps(observation), flush=True)
     sys.stderr.flush()
     os._exit(observation["exit_code"])  # no interpreter teardown: a failed run may leave gloo threads behind
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The child: ``python -m lp_lightning.st.illegal <case-id> <workdir>`` (see :func:`run_child`)."""
+    """The child: ``python -m lp_lightning.st.illegal <case-id> <workdir> [<module>:<function>]`` (:func:`run_child`).
+
+    The third argument names the entry point a CLI case runs (``lp_lightning.cli:main``), resolved
+    with :func:`pkgutil.resolve_name`.
+    """
     args = sys.argv[1:] if argv is None else list(argv)
-    if len(args) != 2:
-        sys.exit("usage: python -m lp_lightning.st.illegal <case-id> <workdir>")
-    run_child(args[0], args[1], redirect=False)
+    if len(args) not in (2, 3):
+        sys.exit("usage: python -m lp_lightning.st.illegal <case-id> <workdir> [<module>:<function>]")
+    run_child(args[0], args[1], redirect=False, fit_main=pkgutil.resolve_name(args[2]) if len(args) == 3 else None)

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +80,15 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _user_settings(config: str | None) -> tuple[bool, int, dict[str, list[str]], tuple[Any, ...], dict[str, Any]]:
+def _user_settings(
+    config: str | None, parse_config: Callable[[Sequence[str]], Any]
+) -> tuple[bool, int, dict[str, list[str]], tuple[Any, ...], dict[str, Any]]:
     """The user YAML's reshard_after_forward, device count, model targets and never-replace rules, after the CLI's
-    checks (exit 2 if bad)."""
-    from lp_lightning.cli import parse_config
+    checks (exit 2 if bad).
 
-    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
-    try:
-        parsed = parse_config(["--config", config] if config else [])
-    finally:
-        sys.argv = argv
+    ``parse_config`` is the fit config parser the entry point hands over (:func:`st_main`).
+    """
+    parsed = parse_config(["--config", config] if config else [])
     targets = model_targets(parsed.model.config_name_or_path, parsed.model.config_overrides)
     never_replace = model_never_replace(parsed.model.config_name_or_path)
     devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
@@ -167,16 +166,29 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated
 
 
-def st_main(argv: Sequence[str] | None = None) -> int:
+def st_main(
+    argv: Sequence[str] | None = None,
+    *,
+    parse_config: Callable[[Sequence[str]], Any],
+    fit_main: Callable[[Sequence[str]], int],
+) -> int:
     """Runs the acceptance and writes the report; returns the exit status (see the module docstring).
 
     Ctrl-C and SIGTERM stop the running ``fit`` processes (:func:`lp_lightning.st.runner.execute_run`)
     and end with one line on stderr and status 130 / 143.
+
+    Args:
+        argv: The ``lp-lightning st`` options; ``None`` reads ``sys.argv[1:]``.
+        parse_config: Parses and checks ``lp-lightning fit`` options without building anything
+            (the entry point passes :func:`lp_lightning.cli.fit.parse_config`): reads the user YAML.
+        fit_main: The ``lp-lightning`` entry point (:func:`lp_lightning.cli.main`): the illegal
+            configurations run ``fit_main(["fit", ...])`` (:mod:`lp_lightning.st.illegal`). The
+            harness never imports the CLI; the entry point hands both over.
     """
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return _st(argv)
+        return _st(argv, parse_config, fit_main)
     except KeyboardInterrupt:
         print("lp-lightning st: interrupted (Ctrl-C); its runs were stopped, the folders under --out are incomplete.",
               file=sys.stderr)
@@ -238,7 +250,9 @@ def _reused_runs(out: Path, specs: list[Any], settings: STSettings, config: Path
     return found
 
 
-def _st(argv: Sequence[str] | None) -> int:
+def _st(
+    argv: Sequence[str] | None, parse_config: Callable[[Sequence[str]], Any], fit_main: Callable[[Sequence[str]], int]
+) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = Path(args.out)
@@ -248,7 +262,7 @@ def _st(argv: Sequence[str] | None) -> int:
         settings, cases, needed = _check_options(args)
     except ValueError as err:
         parser.error(str(err))
-    reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config)
+    reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
     if args.devices is None:
         settings = dataclasses.replace(settings, devices=devices)
     config = Path(args.config).resolve() if args.config else None
@@ -286,7 +300,7 @@ def _st(argv: Sequence[str] | None) -> int:
         from lp_lightning.st.illegal import run_illegal_cases
 
         _log("illegal configurations (design spec §15): running")
-        illegal = run_illegal_cases(out / "illegal")
+        illegal = run_illegal_cases(out / "illegal", fit_main=fit_main)
         _log(f"illegal configurations: {sum(bool(c.get('pass')) for c in illegal)}/{len(illegal)} as specified")
     numerics: dict[str, Any] = {}
     numerics_rows: list[Row] = []

@@ -33,7 +33,8 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 import lp_lightning.models.deepseek_v3 as deepseek_v3
-from lp_lightning.cli import main, parse_config
+from lp_lightning.cli import main
+from lp_lightning.cli.fit import parse_config
 from lp_lightning.lightning import (
     BF16FabricPlugin,
     FSDP2FabricStrategy,

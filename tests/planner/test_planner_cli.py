@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from lp_lightning.cli import main, plan_settings
+from lp_lightning.cli import main
+from lp_lightning.cli.fit import plan_settings
 from lp_lightning.planner import plan_memory
 
 TINY = ["plan", "--spec", "dsv3-tiny", "--precision", "mxfp8", "--seq_len", "64", "--micro_batch_size", "2"]

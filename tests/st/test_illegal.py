@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from lp_lightning.cli import main
 from lp_lightning.st.illegal import (
     ILLEGAL_CASES,
     SECTION15_ROWS,
@@ -81,7 +82,7 @@ TRAINER_RUN = [["instantiate_classes", "entered"], ["startup_gate", "entered"], 
         (TRAINER_RUN, 0, "completed"),
     ],
 )
-def test_observed_stage_is_the_furthest_spy_entered(events, exit_code, stage):
+def test_observed_stage_is_the_furthest_stage_entered(events, exit_code, stage):
     assert observed_stage(events, exit_code) == stage
 
 
@@ -133,7 +134,7 @@ ONE_PER_STAGE = ("comm-fusion", "targets-zero-hits", "backend-npu-on-cpu", "mode
 
 def test_one_case_per_stage_fails_at_its_stage_in_a_forked_child(tmp_path):
     wrong_word = dataclasses.replace(CASES["tp-2"], must_mention=("fsdp_config.tensor_parallel_size=2", "Megatron"))
-    results = run_illegal_cases(tmp_path, cases=[*ONE_PER_STAGE, wrong_word], timeout_s=240)
+    results = run_illegal_cases(tmp_path, cases=[*ONE_PER_STAGE, wrong_word], timeout_s=240, fit_main=main)
     by_id = {r["id"]: r for r in results[:-1]}
     assert {r["observed_stage"] for r in by_id.values()} == {
         "parse", "launch", "startup_gate", "model_build", "plan_compile", "optimizer_construction"
@@ -162,7 +163,7 @@ def test_one_case_per_stage_fails_at_its_stage_in_a_forked_child(tmp_path):
 
 def test_a_wrong_expected_stage_fails_through_the_module_child(tmp_path):
     case = dataclasses.replace(CASES["comm-fusion"], expected_stage="launch")
-    (result,) = run_illegal_cases(tmp_path, cases=[case], preload=False, timeout_s=240)
+    (result,) = run_illegal_cases(tmp_path, cases=[case], preload=False, timeout_s=240, fit_main=main)
     assert result["observed_stage"] == "parse" and result["exit_code"] == 2 and result["mentions_ok"] is True
     assert result["pass"] is False and result["problems"] == ["failed at stage 'parse', expected 'launch'"]
     assert "LP_ILLEGAL_OBSERVATION " in (tmp_path / "comm-fusion" / "stdout.txt").read_text()
@@ -176,9 +177,16 @@ def test_a_spawned_child_runs_only_the_tables_cases(tmp_path):
         run_illegal_cases(tmp_path, cases=["no-such-case"])
 
 
+def test_a_cli_case_needs_the_entry_point_it_runs(tmp_path):
+    """The harness never imports the CLI: a CLI case without ``fit_main`` is refused before any child starts."""
+    with pytest.raises(ValueError, match=r"cases \['comm-fusion'\] run `lp-lightning fit`: pass the entry point"):
+        run_illegal_cases(tmp_path, cases=["comm-fusion"])
+    assert not (tmp_path / "comm-fusion").exists()
+
+
 def test_a_case_for_a_machine_without_a_module_is_not_applicable_where_it_is_installed(tmp_path):
     case = dataclasses.replace(CASES["accelerator-npu-without-torch_npu"], needs_absent="json")  # json: always there
-    (result,) = run_illegal_cases(tmp_path, cases=[case])
+    (result,) = run_illegal_cases(tmp_path, cases=[case], fit_main=main)
     assert result["pass"] is None and result["observed_stage"] is None and result["exit_code"] is None
     assert result["note"] == "not applicable: json is installed here"
     assert not (tmp_path / case.id / "stdout.txt").exists()  # no child was started
@@ -189,7 +197,7 @@ def test_every_illegal_case_fails_at_its_stage_and_a_legal_config_is_reported_as
     legal = IllegalCase("legal-comm-fusion-off", "FSDP comm fusion", "comm_fusion false is legal: it trains", "parse",
                         ("comm_fusion",), "startup", cli_args=("--fsdp_config.comm_fusion", "false"))
     start = time.perf_counter()
-    results = run_illegal_cases(tmp_path, cases=[*ILLEGAL_CASES, legal], timeout_s=300)
+    results = run_illegal_cases(tmp_path, cases=[*ILLEGAL_CASES, legal], timeout_s=300, fit_main=main)
     seconds = time.perf_counter() - start
     *table, control = results
     failed = [(r["id"], r["problems"]) for r in table if r["pass"] is False]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from lp_lightning.st.cases import STSettings, build_runs
-from lp_lightning.st.main import st_main
+from lp_lightning.cli import main  # the dispatcher hands st the fit parser and entry point
 from lp_lightning.st.runner import KILL_GRACE_S, execute_run, run_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ QUICK = ["--skip", "[illegal, numerics]"]
 
 def _usage_error(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        st_main(list(argv))
+        main(["st", *argv])
     assert exit_info.value.code == 2
     return " ".join(capsys.readouterr().err.split())
 
@@ -74,7 +74,7 @@ def test_reuse_runs_reads_matching_runs_logs_and_marks_them(capsys, tmp_path):
     out = tmp_path / "st"
     for case in ("mxfp8", "hif8_current"):
         _fake_run(out, f"accum/{case}", STSettings())
-    code = st_main(["--out", str(out), "--rows", "[Q3-07]", "--reuse_runs", "true", *QUICK])
+    code = main(["st", "--out", str(out), "--rows", "[Q3-07]", "--reuse_runs", "true", *QUICK])
     err = capsys.readouterr().err
     assert code == 1  # the fake runs carry no refresh records: Q3-07 fails, but nothing was run again
     assert f"accum/mxfp8: reused (--reuse_runs) from {out / 'runs' / 'accum' / 'mxfp8'}" in err and "running" not in err

@@ -1,7 +1,8 @@
-"""``lp-lightning``: the console entry point (``lp-lightning fit ...`` / ``validate-model`` / ``plan`` / ``st``).
+"""``lp-lightning fit``: the LightningCLI of the pretraining job, its options and their parse-time checks.
 
-``lp-lightning plan`` (:mod:`lp_lightning.planner.main`) predicts per-rank memory on the meta model;
-its ``--config`` reads an ``lp-lightning fit`` YAML through :func:`plan_settings`.
+:func:`parse_config` parses and checks a fit config without building anything; :func:`plan_settings`
+is what ``lp-lightning plan --config`` (:mod:`lp_lightning.planner.main`) reads from a fit YAML. The
+launch checks are :mod:`lp_lightning.cli.launch`; the dispatcher :func:`lp_lightning.cli.main`.
 
 ``lp-lightning fit`` is a LightningCLI over :class:`~lp_lightning.lightning.module.DeepSeekV3LM`
 and :class:`~lp_lightning.lightning.datamodule.PretrainDataModule`. Without ``--config`` it
@@ -73,12 +74,9 @@ A run stopped by SIGTERM (preemption) exits with status 143 and can be resumed t
 from __future__ import annotations
 
 import importlib
-import os
 import re
-import signal
 import sys
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Optional
 
 from jsonargparse import Namespace
@@ -89,30 +87,21 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import Trainer
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lp_lightning.cli.launch import check_launch, launch_world_size
 from lp_lightning.config import FSDP2Config
-from lp_lightning.distributed.checkpoint import (
-    DamagedCheckpointError,
-    NonFiniteStateError,
-    checkpoint_folders,
-    is_dcp_checkpoint,
-    newest_intact_checkpoint,
-    sibling_checkpoints,
-    verify_dcp_checkpoint,
-)
-from lp_lightning.lightning.accelerator import npu_accelerator_error
-from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback, default_cpu_threads
-from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
+from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import BackendChoice, PrecisionMode, precision_plugin
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
+from lp_lightning.observers import stage
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
 
-__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config", "plan_settings"]
+__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "parse_config", "plan_settings"]
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
@@ -258,7 +247,8 @@ def _check_section(section: Namespace, *, launch: bool) -> None:
         raise ValueError(refused)
     rules = _plan_rules(section.get("plan_overrides"))
     if launch:
-        _check_launch(section, plan_rules=rules)
+        with stage("launch_check"):
+            check_launch(section, plan_rules=rules)
 
 
 class LPLightningCLI(LightningCLI):
@@ -267,9 +257,18 @@ class LPLightningCLI(LightningCLI):
     Args:
         args: Command-line arguments (without the program name); ``None`` reads ``sys.argv``.
         run: Whether to run the subcommand (``False``: only parse and instantiate).
+        cpu_threads_default: Called once before a Trainer on the cpu accelerator is built: the
+            entry point's thread default (:func:`lp_lightning.cli.default_cpu_threads`); ``None``
+            leaves the process's threads as they are.
     """
 
-    def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+    def __init__(
+        self,
+        args: Sequence[str] | None = None,
+        run: bool = True,
+        cpu_threads_default: Callable[[], None] | None = None,
+    ) -> None:
+        self._cpu_threads_default = cpu_threads_default
         super().__init__(
             model_class=DeepSeekV3LM,
             datamodule_class=PretrainDataModule,
@@ -361,17 +360,22 @@ class LPLightningCLI(LightningCLI):
 
         The checks (:func:`_check_section`) run before any class is instantiated: ``fsdp_config``
         and ``low_precision`` (their ``__post_init__``), the refused Trainer options, the
-        ``plan_overrides`` rules and, with a subcommand, the launch checks (:func:`_check_launch`).
-        ``--print_config`` prints only a config that passes them: jsonargparse prints (and exits)
-        inside ``parse_args`` before anything is checked, so with that flag the arguments are first
-        parsed and checked without it.
+        ``plan_overrides`` rules and, with a subcommand, the launch checks
+        (:func:`~lp_lightning.cli.launch.check_launch`). ``--print_config`` prints only a config that
+        passes them: jsonargparse prints (and exits) inside ``parse_args`` before anything is checked,
+        so with that flag the arguments are first parsed and checked without it.
+
+        The parser is called directly, as ``LightningCLI.parse_arguments`` does, without its warning
+        for ``args`` given while ``sys.argv`` holds arguments: ``args`` are this command's own
+        (:func:`parse_config` and ``lp-lightning st``/``plan`` parse a fit config from inside a
+        process whose ``sys.argv`` holds other arguments).
         """
         argv = sys.argv[1:] if args is None else args
         self._resume_fallback = False
         if not isinstance(argv, (dict, Namespace)) and any(map(_requests_print_config, argv)):
             self.config = parser.parse_args([arg for arg in argv if not _requests_print_config(arg)])
             self._check_config(parser)
-        super().parse_arguments(parser, args)
+        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
         self._check_config(parser)
 
     def _check_config(self, parser: LightningArgumentParser) -> None:
@@ -383,6 +387,12 @@ class LPLightningCLI(LightningCLI):
             _check_section(section, launch=subcommand is not None)
         except (TypeError, ValueError, ImportError) as err:
             target.error(str(err))
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Builds the model, data module and Trainer (the ``instantiate_classes`` stage event)."""
+        with stage("instantiate_classes"):
+            super().instantiate_classes()
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -420,8 +430,8 @@ class LPLightningCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in callbacks
         ):
             kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks, default_progress_bar()]
-        if str(trainer_config.get("accelerator", "cpu")) == "cpu":
-            default_cpu_threads()
+        if str(trainer_config.get("accelerator", "cpu")) == "cpu" and self._cpu_threads_default is not None:
+            self._cpu_threads_default()
         trainer = super().instantiate_trainer(**kwargs)
         # ``deterministic: true`` turns on torch's deterministic algorithms, which by default also
         # fill every new tensor with NaN so that a read of uninitialised memory shows up; nothing
@@ -432,207 +442,6 @@ class LPLightningCLI(LightningCLI):
 
         torch.utils.deterministic.fill_uninitialized_memory = False
         return trainer
-
-
-def _is_rank_zero() -> bool:
-    """Whether this process is rank 0 (torchrun sets ``RANK``; Lightning's launcher ``LOCAL_RANK``)."""
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
-
-
-def _world_size(trainer: Namespace) -> int | None:
-    """Processes the run will have: torchrun's ``WORLD_SIZE``, else ``devices x num_nodes`` (ints only)."""
-    devices, num_nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
-    if isinstance(devices, str) and devices.strip().isdigit():  # LightningCLI keeps "--trainer.devices 2" a str
-        devices = int(devices)
-    launched = os.environ.get("WORLD_SIZE") if "TORCHELASTIC_RUN_ID" in os.environ else None
-    if launched is not None:
-        if isinstance(devices, int) and isinstance(num_nodes, int) and devices * num_nodes != int(launched):
-            raise ValueError(
-                f"torchrun started WORLD_SIZE={launched} processes, but trainer.devices={devices} x "
-                f"trainer.num_nodes={num_nodes} = {devices * num_nodes}; pass --trainer.devices "
-                f"{os.environ.get('LOCAL_WORLD_SIZE', launched)} (per node) and --trainer.num_nodes to match."
-            )
-        return int(launched)
-    if isinstance(devices, int) and devices > 0 and isinstance(num_nodes, int):
-        return devices * num_nodes
-    return None
-
-
-class NothingToDo(Exception):
-    """``ckpt_path: last`` names a checkpoint at or past ``trainer.max_steps``: the run is complete.
-
-    ``main`` prints it and returns 0, so a job script that passes ``last`` on every restart ends
-    cleanly after the last one.
-    """
-
-
-def _checkpoint_step(path: Path) -> int | None:
-    """The optimizer step of a ``step-NNNNNN`` checkpoint folder (its name; ``None`` if not that form)."""
-    match = re.fullmatch(r"step-(\d+)", path.name)
-    return int(match.group(1)) if match else None
-
-
-def _latest_checkpoint(folder: Path) -> Path | None:
-    """The most recently written ``step-NNNNNN`` folder under ``folder`` that passes the quick check.
-
-    Hidden ``.partial`` folders (saves cut short) never match; a folder that fails
-    :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` with ``content=False``
-    (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite, unreadable) is skipped with a
-    note on stderr naming it and why. The strategy's load checks the rest (every file's digest,
-    NaN/Inf) and falls back further when needed.
-    """
-    def note(path: Path, err: DamagedCheckpointError) -> None:
-        if _is_rank_zero():  # once, not per rank
-            print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({err.problem}); trying the previous one.",
-                  file=sys.stderr)
-
-    return newest_intact_checkpoint(checkpoint_folders(folder), content=False, on_skip=note)
-
-
-def _check_checkpoint(ckpt_path: str) -> None:
-    """The quick check of an explicit ``ckpt_path`` folder, naming the last good checkpoint when it fails.
-
-    Raises:
-        ValueError: The folder is damaged (the message names the file and the newest intact sibling folder).
-    """
-    path = Path(ckpt_path)
-    try:
-        verify_dcp_checkpoint(path, weights_only=False, content=False)
-    except DamagedCheckpointError as err:
-        good = newest_intact_checkpoint(sibling_checkpoints(path), content=False)  # what `last` would take
-        fix = (f"the last good checkpoint is {str(good)!r}: resume from it (or pass `last`)" if good is not None
-               else "no intact checkpoint is left next to it; start without --ckpt_path")
-        raise ValueError(str(err.with_fix(fix))) from err
-
-
-def _check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None) -> None:
-    """Checks what would otherwise fail only inside every launched process.
-
-    Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
-    ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
-    passes the quick check (:func:`_check_checkpoint`), that ``data.sources`` resolve and
-    ``data.tokenizer`` loads, that
-    ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
-    launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
-    has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
-    In mxfp8/hif8 it then compiles the replacement plan once on the model's meta twin
-    (:func:`_check_low_precision_launch`).
-
-    Args:
-        section: The subcommand's config.
-        plan_rules: The run's ``plan_overrides`` rules (``None``: the model adapter's default).
-
-    Raises:
-        ValueError, TypeError, ImportError: naming the key, the values and the fix.
-    """
-    trainer = section["trainer"]
-    if (accelerator_error := npu_accelerator_error(trainer.get("accelerator"))) is not None:
-        raise ValueError(accelerator_error)
-    ckpt_path = section.get("ckpt_path")
-    if ckpt_path is not None:
-        checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")
-        if ckpt_path == "last":
-            # As Lightning's "last": a job script can pass it on every (re)start; the first one starts fresh.
-            latest = _latest_checkpoint(checkpoints)
-            if latest is None:
-                print(
-                    f"lp-lightning: ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}; "
-                    f"starting from step 0.",
-                    file=sys.stderr,
-                )
-            else:
-                step, max_steps = _checkpoint_step(latest), trainer.get("max_steps")
-                if step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
-                    raise NothingToDo(
-                        f"ckpt_path=last: the newest checkpoint {str(latest)!r} is at step {step} and "
-                        f"trainer.max_steps={max_steps}: the run is complete, nothing to do. Raise "
-                        "--trainer.max_steps to train on."
-                    )
-            section["ckpt_path"] = None if latest is None else str(latest)
-        elif is_dcp_checkpoint(ckpt_path):
-            _check_checkpoint(ckpt_path)
-        else:
-            hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
-            latest = _latest_checkpoint(Path(ckpt_path)) if Path(ckpt_path).is_dir() else None
-            if latest is not None:
-                hint = f"did you mean {str(latest)!r} (the newest checkpoint in it)? Or pass `last`"
-            what = "does not exist" if not Path(ckpt_path).exists() else (
-                "is not a DCP checkpoint folder (design spec §11, §15: only DCP checkpoints are read)"
-            )
-            raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
-    _check_data_launch(section["data"])
-    world_size = _world_size(trainer)
-    if world_size is not None:  # what the strategy checks on each rank once the process group exists
-        FSDP2Config(**section["fsdp_config"].as_dict()).resolve_dp_shard_size(world_size)
-    accumulation = trainer.get("accumulate_grad_batches") or 1
-    global_batch_size = section["data"].get("global_batch_size")
-    if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
-        check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
-    if section["precision"] != "bf16":
-        _check_low_precision_launch(section, plan_rules, world_size)
-
-
-def _check_data_launch(data: Namespace) -> None:
-    """The corpus sources resolve to readable files and the tokenizer loads, before any process starts.
-
-    Otherwise every rank fails in ``prepare_data``/``setup`` after the process group exists. Cheap:
-    the sources are listed and stat-ed (not read) and the tokenizer folder is loaded once.
-
-    Raises:
-        ValueError, TypeError: from :func:`~lp_lightning.data.corpus.resolve_corpus` /
-            :func:`~lp_lightning.data.tokenizer.load_tokenizer`, prefixed with the ``data.*`` key.
-    """
-    from lp_lightning.data.corpus import resolve_corpus
-    from lp_lightning.data.tokenizer import load_tokenizer
-
-    sources = data.get("sources")
-    if isinstance(sources, str):
-        sources = [sources]  # one path or glob, as the data module takes it
-    try:
-        resolve_corpus(list(sources) if sources else None, max_bytes=data.get("max_corpus_bytes"))
-    except (ValueError, TypeError) as err:
-        raise type(err)(f"data.sources: {err}") from None
-    tokenizer = data.get("tokenizer") or "byte"
-    try:
-        load_tokenizer(tokenizer)
-    except (ValueError, TypeError, OSError) as err:
-        raise ValueError(f"data.tokenizer={tokenizer!r}: {err}") from None
-
-
-def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
-    """Compiles the plan once on the meta model of ``model.*`` and checks the shard rule (design spec §15).
-
-    The plan of every rank (:func:`~lp_lightning.models.replacement.replacement_plan`) compiled and applied on the
-    structure-only model: a target FQN naming no module, a module that is not the rule's
-    ``module_type``, rule conflicts and unimportable ``module_type``/factory paths fail here. Then, with
-    ``fsdp_config.fallback_to_unsharded: false`` and a known world size, every weight that breaks the
-    format's shard rule along every dim it may take (dim 0, then the input dim: docs/architecture.md
-    "Placements") is listed in one error (FQN, shape, rows per rank, the fix) instead of one
-    traceback per rank; the strategy's per-rank check stays as a guard.
-
-    Raises:
-        TypeError, ValueError, ImportError: from the plan, or the illegal shards.
-    """
-    from lp_lightning.integration import illegal_shards_error, planned_shard_violations
-    from lp_lightning.models.deepseek_v3 import build_meta_model
-    from lp_lightning.models.replacement import replacement_plan
-
-    model = section["model"]
-    meta = build_meta_model(
-        model.get("config_name_or_path"),
-        config_overrides=model.get("config_overrides"),
-        attn_implementation=model.get("attn_implementation") or "sdpa",
-    )
-    policy = LowPrecisionConfig.from_precision(section["precision"]).to_policy()
-    replacement_plan(meta, policy, plan_rules).apply(meta)
-    fallback = section["fsdp_config"].get("fallback_to_unsharded")
-    if world_size is not None and not fallback:
-        violations = planned_shard_violations(
-            meta, world_size, policy.format.value,
-            input_dim_sharding=section["fsdp_config"].get("input_dim_sharding", True),
-        )
-        if violations:
-            raise illegal_shards_error(violations, world_size)
 
 
 class _ParseOnlyCLI(LPLightningCLI):
@@ -672,13 +481,9 @@ def plan_settings(path: str) -> dict[str, Any]:
         world_size)``), ``activation_checkpoint``, ``reshard_after_forward``, ``fallback_to_unsharded``, ``input_dim_sharding``,
         ``config_overrides``; a value the YAML leaves open (``devices: auto``) is left out.
     """
-    argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when sys.argv holds other arguments
-    try:
-        config = parse_config(["--config", path])
-    finally:
-        sys.argv = argv
+    config = parse_config(["--config", path])
     fsdp, trainer, data = config.fsdp_config, config.trainer, config.data
-    world_size = fsdp.dp_shard_size or _world_size(trainer)
+    world_size = fsdp.dp_shard_size or launch_world_size(trainer)
     settings = {
         "spec": config.model.config_name_or_path,
         "precision": config.precision,
@@ -694,95 +499,3 @@ def plan_settings(path: str) -> dict[str, Any]:
         settings["world_size"] = world_size
         settings["micro_batch_size"] = data.global_batch_size // (accumulation * world_size)
     return settings
-
-
-_COLLECTIVE_FAILURE_MARKERS = (
-    "gloo/transport",  # gloo: "Read error ... Connection reset by peer", "Connection closed by peer"
-    "Connection reset by peer",
-    "Connection closed by peer",
-    "NCCL error",
-    "HCCL",
-)
-
-
-def _collective_failure(err: BaseException) -> bool:
-    """Whether ``err`` is a failed collective (a peer process died, the connection dropped)."""
-    import torch.distributed as dist
-
-    if isinstance(err, getattr(dist, "DistError", ())):
-        return True
-    return any(marker in str(err) for marker in _COLLECTIVE_FAILURE_MARKERS)
-
-
-def _first_line(err: BaseException, limit: int = 160) -> str:
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point ``lp-lightning``.
-
-    Args:
-        argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
-
-    Returns:
-        Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM stopped training early (a
-        scheduler's preemption), so a job script can tell it from a finished run; 1 when the
-        non-finite guard stopped training or the checkpoint to resume from is damaged (one line on
-        stderr), or the startup gate failed; argument errors exit with status 2 through ``SystemExit``.
-    """
-    args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] == "validate-model":
-        from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
-
-        return validate_model_main(args[1:])
-    if args and args[0] == "st":
-        from lp_lightning.st.main import st_main
-
-        return st_main(args[1:])
-    if args and args[0] == "plan":
-        from lp_lightning.planner.main import plan_main
-
-        return plan_main(args[1:], read_fit_config=plan_settings)
-    try:
-        LPLightningCLI(args=None if argv is None else args)
-    except NothingToDo as done:
-        if _is_rank_zero():
-            print(f"lp-lightning: {done}", file=sys.stderr)
-        return 0
-    except (NonFiniteStateError, DamagedCheckpointError) as err:
-        # The non-finite guard stopped training, or the checkpoint to resume from is damaged: every rank
-        # raised the same error; one line (step, skips, reason, FQN / file, last good checkpoint), no traceback.
-        if _is_rank_zero():
-            print(f"lp-lightning: {err}", file=sys.stderr)
-        return 1
-    except RuntimeError as err:
-        if _collective_failure(err):  # a peer died or the network dropped: one line per surviving rank
-            print(
-                f"lp-lightning: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))}: a collective failed "
-                f"— another rank stopped or the connection dropped ({_first_line(err)}). Fix the cause, then rerun "
-                "the same command with --ckpt_path last (the newest complete checkpoint).",
-                file=sys.stderr,
-            )
-            return 1
-        gate_error = sys.modules.get("lp_lightning.ops.gate")  # imported by the gate itself (bf16: never)
-        if gate_error is None or not isinstance(err, gate_error.StartupGateError):
-            raise
-        if _is_rank_zero():  # design spec §15: the checks were printed above; one line, no traceback
-            print(f"lp-lightning: {err}", file=sys.stderr)
-        return 1
-    except SIGTERMException:
-        # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
-        # PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.
-        if _is_rank_zero():
-            print(
-                "lp-lightning: training stopped early by SIGTERM. Resume with the same command plus "
-                "`--ckpt_path last` (the newest complete checkpoint under <default_root_dir>/checkpoints).",
-                file=sys.stderr,
-            )
-        return 128 + signal.SIGTERM
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,137 @@
+"""``lp-lightning``: the console entry point, dispatching ``fit``/``validate``, ``validate-model``, ``plan`` and ``st``.
+
+``lp-lightning fit`` is :class:`~lp_lightning.cli.fit.LPLightningCLI` (its options: :mod:`lp_lightning.cli.fit`;
+its launch checks: :mod:`lp_lightning.cli.launch`); ``validate-model`` is
+:mod:`lp_lightning.models.deepseek_v3.validate_cli`; ``plan`` (:mod:`lp_lightning.planner.main`) reads a fit
+YAML through :func:`~lp_lightning.cli.fit.plan_settings`; ``st`` (:mod:`lp_lightning.st.main`) is handed
+:func:`~lp_lightning.cli.fit.parse_config` and :func:`main` itself (the harness never imports the CLI).
+This module is the only one of the package that imports ``st`` and ``planner`` (tests/test_import_layers.py),
+and the only one that writes the process environment: the CPU thread default (:func:`default_cpu_threads`).
+``python -m lp_lightning.cli ...`` runs :func:`main` (``__main__.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lp_lightning.cli.fit import LPLightningCLI, parse_config, plan_settings
+from lp_lightning.cli.launch import NothingToDo, is_rank_zero
+from lp_lightning.distributed.checkpoint import DamagedCheckpointError, NonFiniteStateError
+from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV
+
+__all__ = ["CPU_THREADS_DEFAULT", "default_cpu_threads", "main"]
+
+CPU_THREADS_DEFAULT = 1
+"""Intra-op threads per CPU process when ``OMP_NUM_THREADS`` is unset (docs/performance.md "Threads")."""
+
+
+def default_cpu_threads() -> None:
+    """One intra-op thread per CPU process unless ``OMP_NUM_THREADS`` says otherwise (``lp-lightning fit``).
+
+    With 2 threads on 2 cores, a step slowed 10-20x whenever anything else ran on the machine:
+    each of the thousands of small parallel regions of a step ends in an OpenMP barrier that waits
+    for a thread the OS has descheduled. One thread per process keeps steps flat and costs little
+    on these model sizes (docs/performance.md "Threads"). :func:`main` hands it to the CLI, which
+    calls it before a cpu Trainer is built; the rank processes Lightning starts inherit the
+    setting and the marker :data:`~lp_lightning.lightning.callbacks.THREADS_DEFAULTED_ENV`, from
+    which ``run_summary.json`` ``threads.set_by`` records who chose.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    os.environ["OMP_NUM_THREADS"] = str(CPU_THREADS_DEFAULT)
+    os.environ[THREADS_DEFAULTED_ENV] = "1"
+    torch.set_num_threads(CPU_THREADS_DEFAULT)
+
+
+_COLLECTIVE_FAILURE_MARKERS = (
+    "gloo/transport",  # gloo: "Read error ... Connection reset by peer", "Connection closed by peer"
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "NCCL error",
+    "HCCL",
+)
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a failed collective (a peer process died, the connection dropped)."""
+    import torch.distributed as dist
+
+    if isinstance(err, getattr(dist, "DistError", ())):
+        return True
+    return any(marker in str(err) for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``lp-lightning``.
+
+    Args:
+        argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM stopped training early (a
+        scheduler's preemption), so a job script can tell it from a finished run; 1 when the
+        non-finite guard stopped training or the checkpoint to resume from is damaged (one line on
+        stderr), or the startup gate failed; argument errors exit with status 2 through ``SystemExit``.
+    """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] == "validate-model":
+        from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
+
+        return validate_model_main(args[1:])
+    if args and args[0] == "st":
+        from lp_lightning.st.main import st_main
+
+        return st_main(args[1:], parse_config=parse_config, fit_main=main)
+    if args and args[0] == "plan":
+        from lp_lightning.planner.main import plan_main
+
+        return plan_main(args[1:], read_fit_config=plan_settings)
+    try:
+        LPLightningCLI(args=args, cpu_threads_default=default_cpu_threads)
+    except NothingToDo as done:
+        if is_rank_zero():
+            print(f"lp-lightning: {done}", file=sys.stderr)
+        return 0
+    except (NonFiniteStateError, DamagedCheckpointError) as err:
+        # The non-finite guard stopped training, or the checkpoint to resume from is damaged: every rank
+        # raised the same error; one line (step, skips, reason, FQN / file, last good checkpoint), no traceback.
+        if is_rank_zero():
+            print(f"lp-lightning: {err}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        if _collective_failure(err):  # a peer died or the network dropped: one line per surviving rank
+            print(
+                f"lp-lightning: rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))}: a collective failed "
+                f"— another rank stopped or the connection dropped ({_first_line(err)}). Fix the cause, then rerun "
+                "the same command with --ckpt_path last (the newest complete checkpoint).",
+                file=sys.stderr,
+            )
+            return 1
+        gate_error = sys.modules.get("lp_lightning.ops.gate")  # imported by the gate itself (bf16: never)
+        if gate_error is None or not isinstance(err, gate_error.StartupGateError):
+            raise
+        if is_rank_zero():  # design spec §15: the checks were printed above; one line, no traceback
+            print(f"lp-lightning: {err}", file=sys.stderr)
+        return 1
+    except SIGTERMException:
+        # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
+        # PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.
+        if is_rank_zero():
+            print(
+                "lp-lightning: training stopped early by SIGTERM. Resume with the same command plus "
+                "`--ckpt_path last` (the newest complete checkpoint under <default_root_dir>/checkpoints).",
+                file=sys.stderr,
+            )
+        return 128 + signal.SIGTERM
+    return 0
