@@ -133,7 +133,7 @@ def _script_case(name: str, case_dir: Path) -> None:
                 mlp = self.model.model.layers[0].mlp
                 mlp.gate_proj = customize(mlp.gate_proj)
 
-        _trainer_fit(case_dir, CustomizedLM(), LowPrecisionPlugin("mxfp8"))
+        _trainer_fit(case_dir, CustomizedLM(), precision_plugin("mxfp8"))
     else:
         raise KeyError(f"no script case {name!r}")
 
