@@ -232,12 +232,12 @@ def test_a_cluster_environment_plugin_is_passed_through(tmp_path):
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
     from lp_lightning.cli.fit import LPLightningCLI
-    from lp_lightning.lightning import LowPrecisionPlugin
+    from lp_lightning.lightning import BF16Plugin
 
     cli = LPLightningCLI(args=["--trainer.plugins", "lightning.pytorch.plugins.environments.LightningEnvironment",
                                "--trainer.default_root_dir", str(tmp_path)], run=False)
     assert isinstance(cli.trainer.strategy.cluster_environment, LightningEnvironment)
-    assert isinstance(cli.trainer.precision_plugin, LowPrecisionPlugin)
+    assert isinstance(cli.trainer.precision_plugin, BF16Plugin)  # the default precision: bf16
 
 
 def test_help_marks_the_refused_trainer_options(capsys):
@@ -266,12 +266,12 @@ def test_an_enabled_false_low_precision_section_is_told_to_switch_on(capsys, no_
 def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     cli = LPLightningCLI(args=["--trainer.default_root_dir", str(tmp_path), "--fsdp_config.reshard_after_forward",
                                "false"], run=False)
-    from lp_lightning.lightning import FSDP2Strategy, LowPrecisionPlugin, PeriodicCheckpoint, RunSummaryCallback
+    from lp_lightning.lightning import BF16Plugin, FSDP2Strategy, PeriodicCheckpoint, RunSummaryCallback
 
     trainer = cli.trainer
     assert isinstance(trainer.strategy, FSDP2Strategy)
     assert trainer.strategy.fsdp_config.reshard_after_forward is False
-    assert isinstance(trainer.precision_plugin, LowPrecisionPlugin) and trainer.precision_plugin.mode == "bf16"
+    assert isinstance(trainer.precision_plugin, BF16Plugin) and trainer.precision_plugin.mode == "bf16"
     assert trainer.precision_plugin.policy.enabled is False
     assert trainer.logger.save_dir == str(tmp_path)
     summary = [c for c in trainer.callbacks if isinstance(c, RunSummaryCallback)]
