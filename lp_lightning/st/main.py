@@ -35,6 +35,7 @@ from typing import Any
 
 from jsonargparse import ArgumentParser
 
+from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.st.cases import (
     CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
 )
@@ -104,16 +105,12 @@ def model_targets(config_name_or_path: str, overrides: dict[str, Any] | None) ->
     fails there. Groups (DeepSeek-V3): ``mla``, ``dense_mlp``, ``shared_experts``, ``routed_experts``
     (:meth:`~lp_lightning.models.adapter.ModelAdapter.target_groups`).
     """
-    from lp_lightning.models.adapter import adapter_for_config
-
     adapter = adapter_for_config(config_name_or_path)
     return adapter.target_groups(adapter.build_meta_model(config_name_or_path, config_overrides=overrides))
 
 
 def model_never_replace(config_name_or_path: str) -> tuple[Any, ...]:
     """The model adapter's never-replace rules (design spec §1.1), which Q3-04 checks the GEMM trace against."""
-    from lp_lightning.models.adapter import adapter_for_config
-
     return tuple(adapter_for_config(config_name_or_path).never_replace)
 
 

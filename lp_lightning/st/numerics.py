@@ -22,7 +22,7 @@ figures by < 0.2 dB, so they agree with the floors measured against FP64
 decoder layer (``num_hidden_layers=1``, ``first_k_dense_replace=0``: MLA, 8 routed + 1 shared
 expert, LM head), built by the Trainer's LightningModule (``DeepSeekV3LM.configure_model``, HF
 init, seed ``seed``) once per case ``bf16``, ``mxfp8``, ``hif8`` and converted by the Trainer's
-precision plugin (``LowPrecisionPlugin.convert_module``: plan on the meta twin → ``plan.apply`` →
+precision plugin (``precision_plugin(precision).convert_module``: plan on the meta twin → ``plan.apply`` →
 ``finalize_low_precision_weights``, which builds every weight once from its FP32 master — the
 startup refresh). No FSDP: the plain parameters stay BF16, the dtype FSDP2's
 ``MixedPrecisionPolicy`` computes with, so their gradients are the BF16 values that a one-rank
@@ -76,6 +76,9 @@ from lp_lightning.formats import compiled_kernels_enabled, recipe_for, set_compi
 from lp_lightning.formats.recipe import SQNR_FLOORS_DB, SQNR_MEASURED_DB, sqnr_reference_input
 from lp_lightning.formats.registry import precision_names
 from lp_lightning.functional import low_precision_grouped_linear, low_precision_linear
+from lp_lightning.lightning.module import DeepSeekV3LM
+from lp_lightning.lightning.precision import precision_plugin
+from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.ops import GemmTraceEvent, record_gemms
 from lp_lightning.tensor import QuantizedWeightTensor
 
@@ -313,14 +316,11 @@ def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None)
 
 def _one_layer_step(precision: str, seed: int, ids: torch.Tensor) -> dict[str, Any]:
     """Build, convert (production plugin) and run one forward/backward of the one-layer model."""
-    from lp_lightning.lightning.module import DeepSeekV3LM
-    from lp_lightning.lightning.low_precision import LowPrecisionPlugin
-
     module = DeepSeekV3LM(
         config_name_or_path="dsv3-tiny", config_overrides=dict(ONE_LAYER_OVERRIDES), validate_spec=False, seed=seed
     )
     module.configure_model()
-    plugin = LowPrecisionPlugin(precision)
+    plugin = precision_plugin(precision)
     model = plugin.convert_module(module.model)
     routing: list[torch.Tensor] = []
     gate = model.get_submodule("model.layers.0.mlp.gate")
@@ -467,8 +467,6 @@ def one_layer_comparison(*, seed: int = 0, precisions: Sequence[str] | None = No
 
 
 def _one_layer_vocab() -> int:
-    from lp_lightning.models.adapter import adapter_for_config
-
     return int(adapter_for_config("dsv3-tiny").specs["dsv3-tiny"]["vocab_size"])
 
 

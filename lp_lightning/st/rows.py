@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys, is_dcp_checkpoint
 from lp_lightning.st.cases import CASES, FSDP_ROWS, STSettings
 from lp_lightning.st.rows_fsdp import (
     accumulation_refresh_row,
@@ -48,6 +49,7 @@ from lp_lightning.st.verdict import (
     element_format,
     unit_roundoff,
 )
+from lp_lightning.tensor.storage import ALL_STORAGE_NAMES
 
 if TYPE_CHECKING:
     from lp_lightning.plan import NeverReplaceRule
@@ -62,8 +64,6 @@ def bf16_baseline_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
     main, resume = runs.get("main/bf16"), runs.get("resume/bf16")
     if _finished(row, main, "main/bf16"):
         _training_checks(row, main, "main/bf16", settings.required_steps)
-        from lp_lightning.distributed.checkpoint import is_dcp_checkpoint
-
         path = main.checkpoint(settings.save_step)
         row.check("checkpoint saved", is_dcp_checkpoint(path), str(path), "a DCP folder")
     if _finished(row, resume, "resume/bf16"):
@@ -180,9 +180,6 @@ def model_boundary_row(
 
 
 def _checkpoint_checks(row: Row, path: Any, case: str, step: int) -> None:
-    from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
-    from lp_lightning.tensor.storage import ALL_STORAGE_NAMES
-
     try:
         keys = checkpoint_tensor_keys(path)
     except Exception as err:  # noqa: BLE001 - a missing or unreadable checkpoint is this check's failure

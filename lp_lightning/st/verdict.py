@@ -15,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lp_lightning.evidence.table import format_info
 from lp_lightning.st.runner import RunResult
 
 __all__ = ["ROLES", "ROW_TITLES", "Check", "Row", "element_format", "unit_roundoff"]
@@ -48,8 +49,6 @@ def element_format(case: str) -> str:
 
 def unit_roundoff(case: str) -> float:
     """``u = ε / 2`` of the case's GEMM input format (ε from its bit patterns)."""
-    from lp_lightning.evidence.table import format_info
-
     return format_info(element_format(case)).eps / 2
 
 
