@@ -5,7 +5,7 @@ For each model (``tiny``: dsv3-tiny; ``mid``: dsv3-tiny widened by :data:`MODELS
 precision, it runs::
 
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml --precision P --trainer.devices D \\
-        --trainer.max_steps 3 --trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe ...
+        --trainer.max_steps 3 --trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe ...
 
 (``OMP_NUM_THREADS=1``, no validation, no checkpoint), reads
 ``peak_tensor_bytes_outside_emulation_per_rank`` and ``..._by_category`` from its

@@ -34,7 +34,7 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   in one error at launch (FQN, shape, rules, the fix).
 * ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
-* ``--run_summary.*``: :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`
+* ``--run_summary.*``: :class:`~lp_lightning.telemetry.summary.RunSummaryCallback`
   (``<default_root_dir>/run_summary.json``).
 * ``--nonfinite.max_consecutive_skips`` (default 3, ``0`` = no limit): the non-finite guard of the
   precision plugin stops the run after that many optimizer steps skipped in a row for a NaN/Inf
@@ -103,13 +103,14 @@ from lp_lightning.distributed.checkpoint import (
     verify_dcp_checkpoint,
 )
 from lp_lightning.lightning.accelerator import npu_accelerator_error
-from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback, default_cpu_threads
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint, default_cpu_threads
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
+from lp_lightning.telemetry.summary import RunSummaryCallback
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
 
 __all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config", "plan_settings"]

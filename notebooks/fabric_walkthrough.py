@@ -33,17 +33,10 @@ from lightning.fabric.loggers import CSVLogger
 from lp_lightning.data import batch_for, build_token_cache, inputs_and_labels
 from lp_lightning.distributed.fsdp import total_grad_norm
 from lp_lightning.formats import set_compiled_kernels
-from lp_lightning.lightning import (
-    FSDP2FabricStrategy,
-    GatherTraceProbe,
-    GemmTraceProbe,
-    LowPrecisionFabricPlugin,
-    RefreshProbe,
-    ScaleStatsProbe,
-    StepRecordProbe,
-)
+from lp_lightning.lightning import FSDP2FabricStrategy, LowPrecisionFabricPlugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import from_hf_config
+from lp_lightning.telemetry import GatherTraceProbe, GemmTraceProbe, RefreshProbe, ScaleStatsProbe, StepRecordProbe
 
 
 def parse_args() -> argparse.Namespace:

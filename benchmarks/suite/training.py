@@ -107,7 +107,7 @@ def fit_command(run_dir: Path, precision: str, processes: int, steps: int, *, se
     if global_batch_size is not None:
         command += ["--data.global_batch_size", str(global_batch_size)]
     if memory_warmup is not None:
-        command += ["--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe",
+        command += ["--trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe",
                     f"--trainer.callbacks.warmup_steps={memory_warmup}"]
     if config_overrides is not None:
         command += ["--model.config_overrides", json.dumps(config_overrides), "--model.validate_spec", "false"]

@@ -13,8 +13,8 @@ from lp_lightning.lightning import (
     FSDP2Strategy,
     LowPrecisionPlugin,
     PretrainDataModule,
-    RunSummaryCallback,
 )
+from lp_lightning.telemetry import RunSummaryCallback
 
 
 def fit_tiny(

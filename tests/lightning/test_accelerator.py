@@ -191,7 +191,7 @@ _NPU_DEVICE_SCRIPT = textwrap.dedent(
     import lp_lightning.lightning.strategy as strategy_module
     from lp_lightning.lightning import (FSDP2FabricStrategy, FSDP2Strategy, LowPrecisionFabricPlugin,
                                         LowPrecisionPlugin, NPUAccelerator)
-    from lp_lightning.lightning.callbacks import _peak_memory_bytes
+    from lp_lightning.telemetry.summary import _peak_memory_bytes
 
     calls = []
     init = lambda env, backend, **kwargs: calls.append(["init_process_group", backend, str(kwargs["device_id"])])

@@ -1,7 +1,7 @@
 """Read-only probes of a training run: GEMM roles, high-precision GEMMs, refreshes, wire bytes (R12, design spec §16.6).
 
 Each recorder observes and counts; none changes a tensor, a kernel choice or the order of any
-operation. :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` runs the cheap ones for
+operation. :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` runs the cheap ones for
 every fit and writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an
 opt-in Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch
 mode under every aten op.
@@ -209,8 +209,8 @@ class HighPrecisionGemmProbe(Callback):
     """Counts aten GEMMs inside replaced modules that are not low-precision GEMMs (must be 0).
 
     Active from ``on_train_start`` to ``on_train_end`` (validation included). Add it to a run
-    with ``--trainer.callbacks+=lp_lightning.lightning.probes.HighPrecisionGemmProbe``; the
-    :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` copies its counts into
+    with ``--trainer.callbacks+=lp_lightning.telemetry.probes.HighPrecisionGemmProbe``; the
+    :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` copies its counts into
     ``run_summary.json`` ``kernels``.
 
     Attributes:
