@@ -102,7 +102,7 @@ _SCRIPT = textwrap.dedent(
         "--data.max_corpus_bytes", "262144", "--data.seq_len", "32", "--data.global_batch_size", "2",
         "--data.val_batches", "1", "--trainer.val_check_interval", "1", "--checkpoint.every_n_steps", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.logger", "false",
+        "--trainer.logger", "false", "--run_summary.wire", "true",
         *[f"--trainer.callbacks+=lp_lightning.telemetry.{name}" for name in
           ("RefreshProbe", "GemmTraceProbe", "GatherTraceProbe", "ScaleStatsProbe", "StepRecordProbe")],
         "--trainer.callbacks+=lp_lightning.telemetry.ProfilerProbe", "--trainer.callbacks.start_step=1",

@@ -219,14 +219,19 @@ class RunSummaryCallback(Callback):
         path: Output file; ``null`` = ``<default_root_dir>/run_summary.json``.
         precision: The run's ``--precision`` value (the CLI fills it in); ``null`` = the precision
             plugin's ``mode``.
+        wire: Record what crosses the wire (``--run_summary.wire true``): the ``wire`` section and
+            ``wire_trace_rank<r>.json`` (:class:`~lp_lightning.telemetry.probes.WireRecorder`,
+            FSDP2's public comm hooks). Off by default: ``wire`` is then ``null`` and no trace is
+            written; the st harness turns it on.
 
     Attributes:
         summary: The dict written last (``None`` before the end of ``fit``).
     """
 
-    def __init__(self, path: str | None = None, precision: str | None = None) -> None:
+    def __init__(self, path: str | None = None, precision: str | None = None, wire: bool = False) -> None:
         self.path = path
         self.precision = precision
+        self.wire = wire
         self.summary: dict[str, Any] | None = None
         self._gemms = self._refresh = self._wire = None
         self._reset(0)
@@ -276,9 +281,10 @@ class RunSummaryCallback(Callback):
         if policy is not None and policy.enabled:  # bf16 imports nothing of the low-precision stack
             self._gemms = GemmRoleCounter().__enter__()
             self._refresh = RefreshCounter().__enter__()
-        mp_policy = plugin.fsdp_mixed_precision_policy() if hasattr(plugin, "fsdp_mixed_precision_policy") else None
-        self._wire = WireRecorder(plain_dtype=getattr(mp_policy, "param_dtype", None) or torch.bfloat16)
-        self._wire.start(getattr(pl_module, "model", None))
+        if self.wire:
+            mp_policy = plugin.fsdp_mixed_precision_policy() if hasattr(plugin, "fsdp_mixed_precision_policy") else None
+            self._wire = WireRecorder(plain_dtype=getattr(mp_policy, "param_dtype", None) or torch.bfloat16)
+            self._wire.start(getattr(pl_module, "model", None))
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

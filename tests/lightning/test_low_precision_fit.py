@@ -54,6 +54,7 @@ def _run(root: Path, cache_dir: str, precision: str, *extra: str, expect_failure
         "--checkpoint.every_n_steps", "3", "--model.warmup_steps", "2", "--model.lr_decay_steps", str(STEPS),
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.callbacks+=_probes.ImportedModules", f"--trainer.callbacks.out_dir={root / 'probe'}",
+        "--run_summary.wire", "true",  # the tests read the opt-in wire section
     ]
     if precision != "bf16":
         args.append("--trainer.callbacks+=lp_lightning.telemetry.probes.HighPrecisionGemmProbe")
