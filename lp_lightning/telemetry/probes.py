@@ -1,10 +1,11 @@
 """Read-only probes of a training run: GEMM roles, high-precision GEMMs, refreshes, wire bytes (R12, design spec §16.6).
 
 Each recorder observes and counts; none changes a tensor, a kernel choice or the order of any
-operation. :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` runs the cheap ones for
-every fit and writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an
-opt-in Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch
-mode under every aten op.
+operation. :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` runs the GEMM-role and
+refresh counters for every fit and the wire recorder when asked (``--run_summary.wire true``), and
+writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an opt-in
+Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch mode under
+every aten op.
 
 **GEMM roles** (:class:`GemmRoleCounter`): an observer of ``lp_lightning.ops`` trace events
 (``add_gemm_observer``). Every low-precision GEMM emits one event naming its backend

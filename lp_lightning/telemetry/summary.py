@@ -1,125 +1,9 @@
 """``RunSummaryCallback``: times every optimizer step and writes ``run_summary.json``, the
 machine-readable summary whose keys are a public contract (later issues add keys, never remove them).
 
-``run_summary.json`` (written by rank 0 at the end of ``fit``):
-
-============================ =====================================================================
-key                          meaning
-============================ =====================================================================
-``precision``                ``--precision`` of the run (``"bf16"``, ``"mxfp8"``, ``"hif8"``)
-``backend``                  op backend of the low-precision GEMMs: ``"none"`` for ``bf16`` (no
-                             such GEMM runs), ``"emulated"`` (CPU and any device without a
-                             hardware kernel) or ``"npu"`` (torch_npu quant MM/GMM)
-``startup_gate``             the design spec §15 startup gate (``lp_lightning.ops.gate``):
-                             ``requested`` / ``backend`` / ``device_type`` / ``format`` / ``ok``
-                             and ``checks`` (``[{"name", "seen", "ok", "message"}]``); ``null``
-                             in ``bf16`` off the npu accelerator (nothing to check)
-``world_size``               number of processes (= FSDP2 ``dp_shard`` mesh size)
-``steps``                    optimizer steps run by this ``fit`` call
-``tokens``                   tokens trained by this ``fit`` call, summed over ranks
-``loss_first``/``loss_last`` training loss of the first / last step of this call (mean over the
-                             step's micro-batches and ranks)
-``val_loss_last``            last logged ``val/loss`` (``null`` if validation never ran)
-``tokens_per_s``             tokens per step / ``step_time_s_steady_median``: the steady rate,
-                             the first ``warmup_steps_excluded`` steps (warm-up, compilation) left
-                             out
-``step_time_s_median``       median wall time of one optimizer step: from the first micro-batch's
-                             ``on_train_batch_start`` to the last micro-batch's
-                             ``on_train_batch_end`` (forward, backward, reduce-scatter, optimizer;
-                             not validation or checkpointing)
-``step_time_s_steady_median`` the same median without the first ``warmup_steps_excluded`` steps
-                             (``WARMUP_STEPS`` = 5, at most all but one: warm-up and compilation)
-``loss_last_mean``           mean training loss of the last ``loss_last_mean_steps`` steps
-                             (``LOSS_MEAN_STEPS`` = 10 or fewer): compare runs on it, not on
-                             ``loss_last`` (one batch)
-``threads``                  ``torch_intra_op`` / ``torch_inter_op`` thread counts,
-                             ``OMP_NUM_THREADS`` (``null`` when unset), ``set_by`` (``"lp-lightning
-                             default"``: ``fit`` on CPU set 1 thread per process because
-                             ``OMP_NUM_THREADS`` was unset, docs/performance.md) and ``cpu_count``
-``determinism``              ``algorithms`` (``torch.use_deterministic_algorithms``) and
-                             ``fill_uninitialized_memory`` (``lp-lightning fit`` turns the NaN fill
-                             off: docs/performance.md)
-``compile``                  rank 0's ``compiled_graphs`` (torch.compile graphs built during the
-                             run: the codec kernels, once per input dtype) and
-                             ``recompiles_after_first_step`` (graphs built after the first optimizer
-                             step; 0 expected: docs/performance.md)
-``load_average``             ``start`` / ``end``: the machine's 1/5/15-minute load averages when
-                             training started and ended (other jobs on the cores slow every step)
-``peak_memory_bytes``        max over ranks: CPU -> the process's peak RSS
-                             (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, includes Python and
-                             libraries, so it says nothing about 8-bit savings); CUDA/NPU ->
-                             ``max_memory_allocated`` of the device
-``peak_memory_bytes_per_rank`` the same value of every rank, in rank order
-``peak_memory_source``       ``"ru_maxrss"`` or ``"max_memory_allocated"``
-``peak_tensor_bytes``        max over ranks of the peak live tensor bytes of the measured steps
-                             (:class:`~lp_lightning.lightning.memory_probe.TensorMemoryProbe`:
-                             live untyped storages, each once; no allocator cache, no Python
-                             objects; the same measurement for bf16 and 8-bit runs), after every
-                             op; ``null`` (as every ``peak_tensor_bytes*`` key) unless that probe
-                             ran and measured a step
-``peak_tensor_bytes_per_rank`` the same value of every rank, in rank order
-``peak_tensor_bytes_by_category`` per rank (rank order), ``{component: bytes}`` at that rank's
-                             peak: ``master``, ``low_precision_storage``, ``optimizer``,
-                             ``gradients``, ``all_gather_buffers``, ``unsharded_gradients``,
-                             ``activations``, ``buffers`` (the memory planner's components)
-``peak_tensor_bytes_outside_emulation`` (and ``_per_rank``, ``_by_category``) the same peak
-                             taken only after ops outside the emulated quantise/GEMM backend
-                             calls (their working buffers left out, their results counted; equal
-                             in bf16): the figure to compare with ``lp-lightning plan``
-``tensor_memory_source``     the tracker (``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``)
-``checkpoints``              checkpoint folders written by this call, in order
-``versions``                 ``lp_lightning``, ``git_commit`` (``-dirty`` with local changes),
-                             ``python``, ``torch``, ``torch_npu``, ``cann``, ``lightning``,
-                             ``transformers`` (design spec §17.1; ``null`` when absent)
-``global_step``              optimizer steps of the model after this call (includes resumed ones)
-``first_step``               global step index of the first step of this call (0 unless resumed)
-``losses`` / ``grad_norms``  per-step training loss / pre-clip gradient norm of this call
-``step_times_s``             per-step wall times (seconds)
-``low_precision``            the policy: ``{"enabled", "format", "scaling", "recipe_name"}``;
-                             ``null`` in ``bf16`` (as are ``replacement``, ``kernels`` and
-                             ``refresh``: no low-precision weight, GEMM or refresh exists there)
-``replacement``              the replacement plan's report (``ReplacementReport.as_dict()``:
-                             ``counts`` per rule, ``replaced`` FQNs, ``skipped`` with reasons);
-                             ``null`` in ``bf16`` (no plan runs)
-``sharding``                 what the strategy's setup did (``ParallelizationRecord``): ``steps``,
-                             ``mesh_shape``, ``reshard_after_forward``, ``param_dtype`` /
-                             ``reduce_dtype``, ``fp32_compute_modules``, ``low_precision_weights``
-                             and ``replicated_low_precision`` (``[{"fqn", "reason"}]``: weights
-                             kept replicated by ``fsdp_config.fallback_to_unsharded``)
-``kernels``                  low-precision GEMM events of this call per role (``"dense.fprop"``
-                             ... ``"grouped.wgrad"``), ``backends`` / ``formats`` (event counts),
-                             ``high_precision_gemms_in_replaced_modules`` (must be 0) and
-                             ``high_precision_gemms_elsewhere`` — ``null`` unless a
-                             :class:`~lp_lightning.lightning.probes.HighPrecisionGemmProbe` ran;
-                             ``null`` in ``bf16``
-``refresh``                  ``per_step`` (weight storage builds during each optimizer step of
-                             this call; a skipped step has 0), ``per_weight_per_step``
-                             (``{"min", "max"}`` builds of one weight in one step: 1 and 1),
-                             ``weights`` (low-precision weights), ``skipped_steps`` (steps of this
-                             call skipped for a non-finite gradient norm), ``startup`` /
-                             ``resume`` (full rebuilds after ``fully_shard`` / a checkpoint load);
-                             ``null`` in ``bf16``
-``nonfinite``                 the non-finite guard (docs/architecture.md "The non-finite guard"):
-                             ``max_consecutive_skips`` (the limit; 0 = none), ``skipped_steps``
-                             (steps of this call skipped for a non-finite gradient norm, every
-                             precision), ``consecutive_skips`` (skipped in a row at the end),
-                             ``skips`` (``[{"step", "reason", "fqn"}]`` per skipped step: the
-                             reason — ``"non-finite gradient"``, ``"non-finite master weight"``,
-                             ``"gradient norm overflow"`` — and the first offending FQN) and
-                             ``stopped``: ``null``, or why the guard stopped the run
-                             (``{"step", "reason", "fqn", "consecutive_skips", "message",
-                             "resume_checkpoint"}``; the summary is then written at the stop)
-``wire``                     ``all_gather_bytes`` / ``reduce_scatter_bytes`` /
-                             ``all_reduce_bytes`` (dtype name -> bytes of this rank's collective
-                             inputs per optimizer step), ``high_precision_gathers_of_replaced``
-                             (must be 0), ``low_precision_weights_gathered`` (of which
-                             ``..._gathered_locally``: one-rank shard groups, no collective),
-                             ``gathers_per_step`` (forward /
-                             backward weight gathers); the individual events of the first step
-                             are in ``wire_trace_rank<r>.json`` next to the summary
-                             (:mod:`lp_lightning.lightning.probes`). In ``bf16`` only the byte maps,
-                             ``steps`` and ``bytes_are`` (no low-precision weight is gathered)
-============================ =====================================================================
+The keys, their types, units and meanings are :class:`~lp_lightning.telemetry.schema.RunSummary`
+(docs/run_summary.md is generated from it). ``build_summary`` fills every field of that dataclass,
+so a key cannot be added here without its documented field.
 """
 
 from __future__ import annotations
@@ -142,6 +26,7 @@ from typing_extensions import override
 
 from lp_lightning.distributed.finite import NonFiniteStateError
 from lp_lightning.lightning.callbacks import _THREADS_DEFAULTED, PeriodicCheckpoint
+from lp_lightning.telemetry.schema import RunSummary
 from lp_lightning.versions import software_versions
 
 __all__ = ["LOSS_MEAN_STEPS", "WARMUP_STEPS", "RunSummaryCallback"]
@@ -213,7 +98,7 @@ class RunSummaryCallback(Callback):
 
     Reads the step loss and gradient norm from the LightningModule's ``last_step_loss`` /
     ``last_grad_norm`` (:class:`~lp_lightning.lightning.module.DeepSeekV3LM`) and the precision
-    and backend from the precision plugin. The key table is in the module docstring.
+    and backend from the precision plugin. The keys: :class:`~lp_lightning.telemetry.schema.RunSummary`.
 
     Args:
         path: Output file; ``null`` = ``<default_root_dir>/run_summary.json``.
@@ -406,7 +291,7 @@ class RunSummaryCallback(Callback):
         return None if result is None else result.as_dict()
 
     def build_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """The summary dict of the finished ``fit`` call (see the module docstring)."""
+        """The summary dict of the finished ``fit`` call (:class:`~lp_lightning.telemetry.schema.RunSummary`)."""
         precision, backend = self._precision_and_backend(trainer)
         steps = len(self._losses)
         median = statistics.median(self._step_times) if self._step_times else None
@@ -419,7 +304,7 @@ class RunSummaryCallback(Callback):
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, PeriodicCheckpoint):
                 checkpoints.extend(callback.saved)
-        return {
+        return RunSummary(**{
             "precision": precision,
             "backend": backend,
             "startup_gate": self._startup_gate(trainer),
@@ -457,7 +342,7 @@ class RunSummaryCallback(Callback):
             "step_times_s": list(self._step_times),
             "nonfinite": self._nonfinite(trainer),
             **self._low_precision_sections(trainer),
-        }
+        }).as_dict()
 
     def _nonfinite(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         plugin = trainer.precision_plugin
