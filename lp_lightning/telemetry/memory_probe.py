@@ -63,7 +63,7 @@ parameters), ``low_precision_storage`` = the built 8-bit data and scales of this
 
 **Limits.** Tensors created outside the tracked steps and not held by the parameters, gradients,
 buffers or optimizer are not seen (none besides the previous batch in a DeepSeek run:
-``tests/lightning/test_memory_probe.py`` checks the tracker against every tensor the garbage
+``tests/telemetry/test_memory_probe.py`` checks the tracker against every tensor the garbage
 collector sees). Steps run several times slower under the mode: measure a few steps, not a long run.
 
 File keys (besides the common ones of :mod:`~lp_lightning.telemetry.probe_callbacks`):
