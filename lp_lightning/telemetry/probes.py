@@ -166,7 +166,7 @@ class GemmRoleCounter:
         self.formats[event.format] += 1
 
     def __enter__(self) -> GemmRoleCounter:
-        from lp_lightning.ops import add_gemm_observer
+        from lp_lightning.ops import add_gemm_observer  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._handle = add_gemm_observer(self._observe)
         return self
@@ -243,7 +243,7 @@ class HighPrecisionGemmProbe(Callback):
         }
 
     def _classify(self, func: Any) -> None:
-        from lp_lightning.ops import current_gemm_role
+        from lp_lightning.ops import current_gemm_role  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         if current_gemm_role() is not None:
             return  # a low-precision GEMM entry point (emulated: FP32 matmul of decoded operands)
@@ -284,7 +284,7 @@ class HighPrecisionGemmProbe(Callback):
         replaced = replaced_modules(model)
         self.watched_modules = len(replaced)
         if replaced:
-            from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES
+            from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
             self._backward_nodes = LOW_PRECISION_BACKWARD_NODES
         for module in model.modules():
@@ -293,7 +293,7 @@ class HighPrecisionGemmProbe(Callback):
         for _, module in replaced:
             self._handles.append(module.register_forward_pre_hook(self._enter("_replaced_depth")))
             self._handles.append(module.register_forward_hook(self._exit("_replaced_depth"), always_call=True))
-        from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+        from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._compiled_before = compiled_kernels_enabled()
         set_compiled_kernels(False)
@@ -309,7 +309,7 @@ class HighPrecisionGemmProbe(Callback):
             handle.remove()
         self._handles.clear()
         if self._compiled_before is not None:
-            from lp_lightning.formats import set_compiled_kernels
+            from lp_lightning.formats import set_compiled_kernels  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
             set_compiled_kernels(self._compiled_before)
             self._compiled_before = None
@@ -344,7 +344,7 @@ class RefreshCounter:
     """
 
     def __init__(self) -> None:
-        from lp_lightning.integration import RefreshRecorder
+        from lp_lightning.integration import RefreshRecorder  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._recorder = RefreshRecorder()
         self._seen = 0

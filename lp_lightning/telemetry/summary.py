@@ -26,6 +26,14 @@ from typing_extensions import override
 
 from lp_lightning.distributed.finite import NonFiniteStateError
 from lp_lightning.lightning.callbacks import _THREADS_DEFAULTED, PeriodicCheckpoint
+from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
+from lp_lightning.telemetry.probes import (
+    GEMM_ROLE_KEYS,
+    GemmRoleCounter,
+    HighPrecisionGemmProbe,
+    RefreshCounter,
+    WireRecorder,
+)
 from lp_lightning.telemetry.schema import RunSummary
 from lp_lightning.versions import software_versions
 
@@ -156,8 +164,6 @@ class RunSummaryCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(trainer.global_step)
         self._load_start = _load_average()
-        from lp_lightning.telemetry.probes import GemmRoleCounter, RefreshCounter, WireRecorder
-
         plugin = trainer.precision_plugin
         policy = getattr(plugin, "policy", None)
         self._skipped_at_start = int(getattr(plugin, "optimizer_steps_skipped", 0))
@@ -259,8 +265,6 @@ class RunSummaryCallback(Callback):
 
     def _gather_tensor_memory(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The ``peak_tensor_bytes*`` keys from a :class:`TensorMemoryProbe` among the callbacks (collective)."""
-        from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
-
         probe = next((c for c in trainer.callbacks if isinstance(c, TensorMemoryProbe)), None)  # type: ignore[attr-defined]
         if probe is None:
             return dict(_NO_TENSOR_MEMORY)
@@ -388,8 +392,6 @@ class RunSummaryCallback(Callback):
             return {"low_precision": None, "replacement": None, "sharding": self._sharding(trainer),
                     "kernels": None, "refresh": None, "wire": wire}
         report = getattr(plugin, "replacement_report", None)
-        from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe
-
         kernels: dict[str, Any] = dict.fromkeys(GEMM_ROLE_KEYS, 0)
         kernels.update(backends={}, formats={}, unlabelled=0)
         if self._gemms is not None:
