@@ -110,8 +110,8 @@ from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import BackendChoice, LowPrecisionPlugin, PrecisionMode
 from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
-from lp_lightning.telemetry.summary import RunSummaryCallback
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
+from lp_lightning.telemetry.summary import RunSummaryCallback
 
 __all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "main", "parse_config", "plan_settings"]
 
