@@ -101,6 +101,57 @@ def _peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale, "ru_maxrss"
 
 
+def _reduce(trainer: pl.Trainer, value: int, op: dist.ReduceOp) -> int:
+    """``value`` reduced over the ranks with ``op`` (collective)."""
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
+    dist.all_reduce(tensor, op=op)
+    return int(tensor.item())
+
+
+def _gather(trainer: pl.Trainer, value: int) -> list[int]:
+    """``value`` of every rank, in rank order (collective)."""
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return [value]
+    tensor = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, tensor)
+    return [int(t.item()) for t in gathered]
+
+
+def _startup_gate(trainer: pl.Trainer) -> dict[str, Any] | None:
+    result = getattr(trainer.precision_plugin, "gate_result", None)
+    return None if result is None else result.as_dict()
+
+
+def _sharding(trainer: pl.Trainer) -> dict[str, Any] | None:
+    record = getattr(trainer.strategy, "parallelization", None)
+    if record is None:
+        return None
+    sharding = dataclasses.asdict(record)
+    sharding["replicated_low_precision"] = [
+        {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
+    ]
+    return sharding
+
+
+def _write_wire_trace(trainer: pl.Trainer, wire: Any, summary_path: Path) -> None:
+    """``wire_trace_rank<r>.json`` next to the summary, when the wire was recorded (every rank)."""
+    if wire is None:
+        return
+    trace = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "summary": wire.summary(),
+        "gathers_per_weight": {k: dict(v) for k, v in sorted(wire.gathers_per_weight.items())},
+        "events": wire.trace,
+    }
+    path = summary_path.parent / f"wire_trace_rank{trainer.global_rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trace, indent=1) + "\n")
+
+
 class RunSummaryCallback(Callback):
     """Times optimizer steps, logs ``tokens_per_s`` and writes ``run_summary.json`` (rank 0).
 
@@ -237,31 +288,15 @@ class RunSummaryCallback(Callback):
         tokens_per_step = self._local_tokens * trainer.world_size / len(self._step_times)
         pl_module.log("tokens_per_s", tokens_per_step / elapsed, on_step=True, on_epoch=False)
 
-    def _reduce(self, trainer: pl.Trainer, value: int, op: dist.ReduceOp) -> int:
-        if trainer.world_size == 1 or not dist.is_initialized():
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
-        dist.all_reduce(tensor, op=op)
-        return int(tensor.item())
-
-    def _gather(self, trainer: pl.Trainer, value: int) -> list[int]:
-        """``value`` of every rank, in rank order."""
-        if trainer.world_size == 1 or not dist.is_initialized():
-            return [value]
-        tensor = torch.tensor([value], dtype=torch.int64, device=trainer.strategy.root_device)
-        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, tensor)
-        return [int(t.item()) for t in gathered]
-
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Collectives run here on every rank; the file is written in on_fit_end, after the
         # checkpoint callbacks' on_train_end saved the last checkpoint.
         self._stop_recorders()
         peak, source = _peak_memory_bytes(trainer.strategy.root_device)
-        self._peak = (self._gather(trainer, peak), source)
+        self._peak = (_gather(trainer, peak), source)
         self._tensor_memory = self._gather_tensor_memory(trainer)
-        self._local_tokens = self._reduce(trainer, self._local_tokens, dist.ReduceOp.SUM)
+        self._local_tokens = _reduce(trainer, self._local_tokens, dist.ReduceOp.SUM)
 
     def _gather_tensor_memory(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The ``peak_tensor_bytes*`` keys from a :class:`TensorMemoryProbe` among the callbacks (collective)."""
@@ -272,8 +307,8 @@ class RunSummaryCallback(Callback):
         keys: dict[str, Any] = {"tensor_memory_source": SOURCE}
         for peak, prefix in (("all_ops", "peak_tensor_bytes"), ("outside_emulation", "peak_tensor_bytes_outside_emulation")):
             local = result.get(peak)
-            peaks = self._gather(trainer, -1 if local is None else local["peak_bytes"])
-            parts = {name: self._gather(trainer, 0 if local is None else local["by_component"][name])
+            peaks = _gather(trainer, -1 if local is None else local["peak_bytes"])
+            parts = {name: _gather(trainer, 0 if local is None else local["by_component"][name])
                      for name in COMPONENTS}
             measured = min(peaks) >= 0  # else some rank measured no step (max_steps <= warmup_steps)
             keys[prefix] = max(peaks) if measured else None
@@ -288,11 +323,6 @@ class RunSummaryCallback(Callback):
         precision = self.precision or getattr(plugin, "mode", None) or str(trainer.precision)
         backend = getattr(plugin, "backend", None) or "none"
         return precision, backend
-
-    @staticmethod
-    def _startup_gate(trainer: pl.Trainer) -> dict[str, Any] | None:
-        result = getattr(trainer.precision_plugin, "gate_result", None)
-        return None if result is None else result.as_dict()
 
     def build_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         """The summary dict of the finished ``fit`` call (:class:`~lp_lightning.telemetry.schema.RunSummary`)."""
@@ -311,7 +341,7 @@ class RunSummaryCallback(Callback):
         return RunSummary(**{
             "precision": precision,
             "backend": backend,
-            "startup_gate": self._startup_gate(trainer),
+            "startup_gate": _startup_gate(trainer),
             "world_size": trainer.world_size,
             "steps": steps,
             "tokens": tokens,
@@ -370,17 +400,6 @@ class RunSummaryCallback(Callback):
             "stopped": stopped,
         }
 
-    @staticmethod
-    def _sharding(trainer: pl.Trainer) -> dict[str, Any] | None:
-        record = getattr(trainer.strategy, "parallelization", None)
-        if record is None:
-            return None
-        sharding = dataclasses.asdict(record)
-        sharding["replicated_low_precision"] = [
-            {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
-        ]
-        return sharding
-
     def _low_precision_sections(self, trainer: pl.Trainer) -> dict[str, Any]:
         plugin = trainer.precision_plugin
         policy = getattr(plugin, "policy", None)
@@ -389,7 +408,7 @@ class RunSummaryCallback(Callback):
             if wire is not None:
                 wire = {k: wire[k] for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
                                              "steps", "bytes_are")}
-            return {"low_precision": None, "replacement": None, "sharding": self._sharding(trainer),
+            return {"low_precision": None, "replacement": None, "sharding": _sharding(trainer),
                     "kernels": None, "refresh": None, "wire": wire}
         report = getattr(plugin, "replacement_report", None)
         kernels: dict[str, Any] = dict.fromkeys(GEMM_ROLE_KEYS, 0)
@@ -418,31 +437,17 @@ class RunSummaryCallback(Callback):
         return {
             "low_precision": policy.as_dict(),
             "replacement": report.as_dict() if report is not None else None,
-            "sharding": self._sharding(trainer),
+            "sharding": _sharding(trainer),
             "kernels": kernels,
             "refresh": refresh,
             "wire": self._wire.summary() if self._wire is not None else None,
         }
 
-    def _write_wire_trace(self, trainer: pl.Trainer, summary_path: Path) -> None:
-        if self._wire is None:
-            return
-        trace = {
-            "rank": trainer.global_rank,
-            "world_size": trainer.world_size,
-            "summary": self._wire.summary(),
-            "gathers_per_weight": {k: dict(v) for k, v in sorted(self._wire.gathers_per_weight.items())},
-            "events": self._wire.trace,
-        }
-        path = summary_path.parent / f"wire_trace_rank{trainer.global_rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(trace, indent=1) + "\n")
-
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = self.build_summary(trainer)
         path = Path(self.path) if self.path is not None else Path(trainer.default_root_dir) / "run_summary.json"
-        self._write_wire_trace(trainer, path)
+        _write_wire_trace(trainer, self._wire, path)
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(self.summary, indent=2) + "\n")
