@@ -5,13 +5,13 @@ For each model (``tiny``: dsv3-tiny; ``mid``: dsv3-tiny widened by :data:`MODELS
 precision, it runs::
 
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml --precision P --trainer.devices D \\
-        --trainer.max_steps 3 --trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe ...
+        --trainer.max_steps 3 --trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe ...
 
 (``OMP_NUM_THREADS=1``, no validation, no checkpoint), reads
 ``peak_tensor_bytes_outside_emulation_per_rank`` and ``..._by_category`` from its
 ``run_summary.json`` (the probe's measurement: peak live tensor storages per rank over steps 2-3,
 each storage once, taken outside the emulated quantise/GEMM calls, whose results count and whose
-working buffers do not; not RSS — see ``lp_lightning/lightning/memory_probe.py``) and calls
+working buffers do not; not RSS — see ``lp_lightning/telemetry/memory_probe.py``) and calls
 ``lp_lightning.planner.plan_memory`` with the same spec, overrides, precision, world size, sequence
 length, micro batch and FSDP settings. One JSON row per configuration is printed::
 
@@ -155,7 +155,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"`OMP_NUM_THREADS` per rank {', '.join(f'{t} / {o}' for t, o in threads)}; 1-minute load average "
         f"{min(loads):.2f}-{max(loads):.2f} during the runs (other jobs shared the cores; memory does not "
         "depend on it). **Measurement**: "
-        "`TensorMemoryProbe` (`lp_lightning/lightning/memory_probe.py`, torch's `FSDPMemTracker`): the peak, "
+        "`TensorMemoryProbe` (`lp_lightning/telemetry/memory_probe.py`, torch's `FSDPMemTracker`): the peak, "
         "over optimizer steps 2-3, of the live tensor storages of a rank, each storage counted once (views, "
         "FSDP2 shards, an 8-bit weight's master and storage), taken after every op outside the emulated "
         "quantise/GEMM calls (their results counted, their working buffers not: they belong to the CPU "

@@ -4,13 +4,16 @@ Each event kind owns one :class:`Observers` list in the layer that emits it —
 ``lp_lightning.ops.add_gemm_observer`` (every low-precision GEMM),
 ``lp_lightning.ops.add_range_observer`` (begin and end of every quantise/GEMM backend call),
 ``lp_lightning.integration.add_gather_observer`` (every low-precision pre-all-gather) and
-``lp_lightning.tensor.add_refresh_observer`` (every storage build). Probes observe through these
-hooks only; they never wrap a method or read private state. Observers run synchronously in the
+``lp_lightning.tensor.add_refresh_observer`` (every storage build). Collectives are issued by
+several layers (the FSDP2 comms of the wire probe, the non-finite check, the HiF8 amax MAX-reduce,
+the strategy's ``reduce``), so their list, :func:`add_collective_observer`, lives here, below all of
+them. Probes observe through these hooks only; they never wrap a method or read private state. Observers run synchronously in the
 emitting thread, must not mutate what they are shown, and are called in registration order.
 
 The stage events (:func:`add_stage_observer`) live here because two layers emit them: the CLI
 (``launch_check``, ``meta_model_build``, ``instantiate_classes``) and the FSDP2 strategies (``startup_gate``,
-``model_build``, ``plan_apply``, ``fully_shard``, ``optimizer_check``, ``training_step``); the
+``model_build``, ``plan_apply``, ``fully_shard``, ``optimizer_check``, ``training_step``), and the plan builder
+(``plan_compile``, ``lp_lightning.models.replacement``); the
 acceptance harness judges the design spec §15 stage of an illegal run from them.
 
 Pure Python (no torch), so every layer may use it.
@@ -22,9 +25,18 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["ObserverHandle", "Observers", "StageEvent", "add_stage_observer", "stage"]
+__all__ = [
+    "CollectiveEvent",
+    "ObserverHandle",
+    "Observers",
+    "StageEvent",
+    "add_collective_observer",
+    "add_stage_observer",
+    "notify_collective",
+    "stage",
+]
 
 E = TypeVar("E")
 
@@ -86,6 +98,10 @@ class Observers(Generic[E]):
         return bool(self._entries)
 
 
+# ------------------------------------------------------------------------------------------------
+# Launch stages
+
+
 @dataclass(frozen=True)
 class StageEvent:
     """A launch stage of a run was entered, or ended with an error (:func:`stage`).
@@ -127,3 +143,45 @@ def stage(name: str) -> Iterator[None]:
     except BaseException as err:
         _STAGE_OBSERVERS.notify(StageEvent(name, f"raised {type(err).__name__}"))
         raise
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives
+
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective this rank issues, reported right before (all-gather, reduce-scatter, all-reduce
+    call sites) or right after (FSDP2's HSDP all-reduce, seen through its all-reduce hook) the call.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"`` or ``"all_reduce"``.
+        dtype: dtype name of this rank's input buffer (``"uint8"``, ``"float32"``; no ``torch.``).
+        bytes: Size of this rank's input buffer in bytes (an all-gather moves world-size times that).
+        site: Who issued it (``"fsdp2"``, ``"first_nonfinite"``, ``"refresh.amax"``, ``"strategy.reduce"``).
+    """
+
+    kind: str
+    dtype: str
+    bytes: int
+    site: str
+
+
+_COLLECTIVES: Observers[CollectiveEvent] = Observers("add_collective_observer")
+
+
+def add_collective_observer(observer: Callable[[CollectiveEvent], None]) -> ObserverHandle:
+    """Register ``observer(CollectiveEvent)`` for every collective reported by :func:`notify_collective`."""
+    return _COLLECTIVES.add(observer)
+
+
+def notify_collective(kind: str, tensor: Any, site: str) -> None:
+    """Report one collective on ``tensor`` (this rank's input; a ``torch.Tensor``, read for dtype and size only).
+
+    Costs one truth test when nobody observes. Call it exactly where the collective is issued, on
+    the same condition, so that the reported collectives are the issued ones.
+    """
+    if _COLLECTIVES:
+        _COLLECTIVES.notify(
+            CollectiveEvent(kind, str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size(), site)
+        )

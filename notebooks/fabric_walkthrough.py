@@ -10,7 +10,7 @@ Fabric"): ``fabric.launch()`` runs the startup gate and starts the process group
 applies FSDP2 and builds the low-precision shards; ``fabric.setup_optimizers`` accepts only
 ``torch.optim.AdamW`` over FP32 masters (design spec §15); ``optimizer.step()`` refreshes every
 low-precision weight once (design spec §10). The probe callbacks (read-only, design spec §16.6) are
-driven through ``fabric.call`` as documented in ``lp_lightning/lightning/probe_callbacks.py``.
+driven through ``fabric.call`` as documented in ``lp_lightning/telemetry/probe_callbacks.py``.
 
 Writes under ``--out``: ``probes/<kind>_rank0.json`` (refresh, gemm_trace, gather_trace, scales,
 steps), ``logs/version_0/metrics.csv`` (the probes' ``probe/...`` scalars) and ``replacement.json``
@@ -33,17 +33,10 @@ from lightning.fabric.loggers import CSVLogger
 from lp_lightning.data import batch_for, build_token_cache, inputs_and_labels
 from lp_lightning.distributed.fsdp import total_grad_norm
 from lp_lightning.formats import set_compiled_kernels
-from lp_lightning.lightning import (
-    FSDP2FabricStrategy,
-    GatherTraceProbe,
-    GemmTraceProbe,
-    LowPrecisionFabricPlugin,
-    RefreshProbe,
-    ScaleStatsProbe,
-    StepRecordProbe,
-)
+from lp_lightning.lightning import FSDP2FabricStrategy, precision_plugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import from_hf_config
+from lp_lightning.telemetry import GatherTraceProbe, GemmTraceProbe, RefreshProbe, ScaleStatsProbe, StepRecordProbe
 
 
 def parse_args() -> argparse.Namespace:
@@ -80,7 +73,7 @@ def high_precision_modules(causal_lm: torch.nn.Module, replaced: list[str]) -> l
 def main() -> None:
     args = parse_args()
     set_compiled_kernels(args.compiled_kernels)
-    plugin = LowPrecisionFabricPlugin(args.precision)
+    plugin = precision_plugin(args.precision, trainer=False)
     probes = [RefreshProbe(sample_every=args.sample_every), GemmTraceProbe(sample_every=args.sample_every),
               GatherTraceProbe(sample_every=args.sample_every), ScaleStatsProbe(sample_every=args.sample_every),
               StepRecordProbe(sample_every=args.sample_every)]

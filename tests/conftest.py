@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lp_lightning.data import build_token_cache
 from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 
 # Tests share 2 cores; keep intra-op threads bounded so multi-process tests do not oversubscribe.
@@ -58,3 +59,11 @@ def ieee_gemms():
     BACKEND.bf16_units = False
     yield
     BACKEND.bf16_units = previous
+
+
+@pytest.fixture(scope="session")
+def token_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A token cache of the default stdlib corpus (byte tokenizer), built once per session."""
+    path = tmp_path_factory.mktemp("tokens")
+    build_token_cache(None, "byte", path)
+    return str(path)

@@ -7,7 +7,7 @@ A fresh subprocess (so no other test's imports leak in) runs the bf16 path the w
 2. ``lp-lightning fit --precision bf16 --trainer.max_steps 1`` in-process (``runpy``, one process,
    CPU): the LightningModule's ``configure_model``, the FSDP2 strategy (plugin ``convert_module``,
    upcast, ``fully_shard``), forward + backward, the optimizer step, validation and a checkpoint,
-   with every probe callback of ``lp_lightning.lightning.probe_callbacks`` and the tensor-memory
+   with every probe callback of ``lp_lightning.telemetry.probe_callbacks`` and the tensor-memory
    probe (their files are checked: present, nothing low-precision in them).
 
 Then ``sys.modules`` is compared with the FULL list of low-precision modules, computed by walking
@@ -102,12 +102,12 @@ _SCRIPT = textwrap.dedent(
         "--data.max_corpus_bytes", "262144", "--data.seq_len", "32", "--data.global_batch_size", "2",
         "--data.val_batches", "1", "--trainer.val_check_interval", "1", "--checkpoint.every_n_steps", "1",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.logger", "false",
-        *[f"--trainer.callbacks+=lp_lightning.lightning.{name}" for name in
+        "--trainer.logger", "false", "--run_summary.wire", "true",
+        *[f"--trainer.callbacks+=lp_lightning.telemetry.{name}" for name in
           ("RefreshProbe", "GemmTraceProbe", "GatherTraceProbe", "ScaleStatsProbe", "StepRecordProbe")],
-        "--trainer.callbacks+=lp_lightning.lightning.ProfilerProbe", "--trainer.callbacks.start_step=1",
+        "--trainer.callbacks+=lp_lightning.telemetry.ProfilerProbe", "--trainer.callbacks.start_step=1",
         "--trainer.callbacks.steps=1",
-        "--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe", "--trainer.callbacks.warmup_steps=0",
+        "--trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe", "--trainer.callbacks.warmup_steps=0",
     ]
     try:
         runpy.run_module("lp_lightning.cli", run_name="__main__", alter_sys=True)

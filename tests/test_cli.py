@@ -266,7 +266,8 @@ def test_an_enabled_false_low_precision_section_is_told_to_switch_on(capsys, no_
 def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     cli = LPLightningCLI(args=["--trainer.default_root_dir", str(tmp_path), "--fsdp_config.reshard_after_forward",
                                "false"], run=False)
-    from lp_lightning.lightning import BF16Plugin, FSDP2Strategy, PeriodicCheckpoint, RunSummaryCallback
+    from lp_lightning.lightning import BF16Plugin, FSDP2Strategy, PeriodicCheckpoint
+    from lp_lightning.telemetry import RunSummaryCallback
 
     trainer = cli.trainer
     assert isinstance(trainer.strategy, FSDP2Strategy)

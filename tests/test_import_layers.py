@@ -30,6 +30,7 @@ LAYERS: dict[str, str] = {
     "lp_lightning.cli": "cli",
     "lp_lightning.st": "st",
     "lp_lightning.planner": "planner",
+    "lp_lightning.telemetry": "telemetry",
     "lp_lightning.lightning.accelerator": "accelerator",
     "lp_lightning.lightning": "lightning",
     "lp_lightning.distributed": "distributed",
@@ -83,11 +84,14 @@ ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is a
     "evidence": _GENERIC_LOW_PRECISION | {"format:mxfp8", "format:hif8"},
     # The glue observes through the public hooks of ops (GEMM events), functional (backward-node names),
     # tensor and integration (refresh and gather events); it never imports a format package.
-    "lightning": set(LAYERS.values()) - {"cli", "st", "planner", "format:mxfp8", "format:hif8"},
+    "lightning": set(LAYERS.values()) - {"cli", "st", "planner", "telemetry", "format:mxfp8", "format:hif8"},
+    # The run summary and the probes read a run through the glue and the public event hooks; nothing
+    # below the entry points imports them (telemetry is opt-in, design spec §16.6).
+    "telemetry": set(LAYERS.values()) - {"cli", "st", "planner", "format:mxfp8", "format:hif8"},
     # The memory planner reads a run as lp-lightning fit builds it (meta model, plan, shard rules, gather
     # layouts, the precision plugin) through the generic layers; the entry point hands it the fit config.
     # Model knowledge (specs, meta model, activation terms) comes from the adapter registry only.
-    "planner": set(LAYERS.values()) - {"cli", "st", "format:mxfp8", "format:hif8", "model_adapters"},
+    "planner": set(LAYERS.values()) - {"cli", "st", "telemetry", "format:mxfp8", "format:hif8", "model_adapters"},
     # fit (LightningCLI, config parsing) and the launch checks: the product's layers, not st or planner.
     "cli": set(LAYERS.values()) - {"cli", "st", "planner", "format:mxfp8", "format:hif8"},
     # The dispatcher: the one module that imports st and planner, handing them what they need from the CLI.
@@ -291,6 +295,7 @@ def test_generic_format_modules_import_no_format_package():
         ("lp_lightning.formats.operand", "formats"),
         ("lp_lightning.formats.registry", "format_registry"),
         ("lp_lightning.integration.gather", "integration"),
+        ("lp_lightning.telemetry.probes", "telemetry"),
         ("lp_lightning", "root"),
     ],
 )

@@ -94,7 +94,7 @@ def fit_command(run_dir: Path, precision: str, processes: int, steps: int, *, se
                 memory_warmup: int | None = None) -> list[str]:
     """An ``lp-lightning fit`` command on ``configs/dsv3_tiny.yaml`` with validation, checkpoints,
     logger and progress bar off (``None`` keeps the config's value; ``memory_warmup``: add the
-    TensorMemoryProbe with that many unmeasured steps; ``config_overrides`` turn spec validation off)."""
+    TensorMemoryProbe with that many unmeasured steps and the opt-in wire section; ``config_overrides`` turn spec validation off)."""
     command = [
         sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(REPO / "configs" / "dsv3_tiny.yaml"),
         "--precision", precision, "--trainer.devices", str(processes), "--trainer.max_steps", str(steps),
@@ -107,8 +107,9 @@ def fit_command(run_dir: Path, precision: str, processes: int, steps: int, *, se
     if global_batch_size is not None:
         command += ["--data.global_batch_size", str(global_batch_size)]
     if memory_warmup is not None:
-        command += ["--trainer.callbacks+=lp_lightning.lightning.TensorMemoryProbe",
-                    f"--trainer.callbacks.warmup_steps={memory_warmup}"]
+        command += ["--trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe",
+                    f"--trainer.callbacks.warmup_steps={memory_warmup}",
+                    "--run_summary.wire", "true"]  # the memory runs give the wire/* figures too
     if config_overrides is not None:
         command += ["--model.config_overrides", json.dumps(config_overrides), "--model.validate_spec", "false"]
     return command

@@ -35,7 +35,7 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   in one error at launch (FQN, shape, rules, the fix).
 * ``--checkpoint.*``: :class:`~lp_lightning.lightning.callbacks.PeriodicCheckpoint`
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
-* ``--run_summary.*``: :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`
+* ``--run_summary.*``: :class:`~lp_lightning.telemetry.summary.RunSummaryCallback`
   (``<default_root_dir>/run_summary.json``).
 * ``--nonfinite.max_consecutive_skips`` (default 3, ``0`` = no limit): the non-finite guard of the
   precision plugin stops the run after that many optimizer steps skipped in a row for a NaN/Inf
@@ -91,7 +91,7 @@ from typing_extensions import override
 
 from lp_lightning.cli.launch import check_launch, launch_world_size
 from lp_lightning.config import FSDP2Config
-from lp_lightning.lightning.callbacks import PeriodicCheckpoint, RunSummaryCallback
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -100,6 +100,7 @@ from lp_lightning.lightning.progress import default_progress_bar
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.observers import stage
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
+from lp_lightning.telemetry.summary import RunSummaryCallback
 
 __all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "parse_config", "plan_settings"]
 

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lp_lightning.observers import notify_collective
+
 __all__ = ["NonFiniteStateError", "first_nonfinite", "flatten_state", "local_amax"]
 
 
@@ -134,6 +136,7 @@ def first_nonfinite(
     device = next((a.device for a in amaxes if a.device.type != "cpu"), torch.device("cpu"))
     flags = (~torch.isfinite(torch.stack([a.to(device) for a in amaxes]))).to(torch.int32)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        notify_collective("all_reduce", flags, "first_nonfinite")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     bad = torch.nonzero(flags).flatten()
     return names[int(bad[0])] if bad.numel() else None

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from lp_lightning.formats.amax import abs_max
 from lp_lightning.formats.spec import AmaxScope
 from lp_lightning.integration.weights import local_low_precision_weight
+from lp_lightning.observers import notify_collective
 from lp_lightning.tensor.storage import add_refresh_observer, total_refresh_count
 from lp_lightning.tensor.weight import QuantizedWeightTensor, is_master_of
 
@@ -176,6 +177,7 @@ def refresh_low_precision_weights(
         amax = torch.stack([w.local_amax() for w in weights])
         local_amax.update((w.state_key, value) for w, value in zip(weights, amax.unbind(0)))
         amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
+        notify_collective("all_reduce", amax, "refresh.amax")
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         reduces += 1
         for w, value in zip(weights, amax.unbind(0)):

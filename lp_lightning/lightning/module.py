@@ -21,7 +21,7 @@ loss over the whole global batch.
 Logged (``self.log``, all already reduced over ranks): ``train/loss`` (mean over the step's
 micro-batches and ranks; shown in the progress bar), ``val/loss``, ``grad_norm`` (total L2 norm of
 the sharded FP32 gradients before clipping), ``lr``. ``tokens_per_s`` is logged by
-:class:`~lp_lightning.lightning.callbacks.RunSummaryCallback`.
+:class:`~lp_lightning.telemetry.summary.RunSummaryCallback`.
 """
 
 from __future__ import annotations

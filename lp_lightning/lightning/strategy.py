@@ -67,6 +67,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -93,7 +95,7 @@ from lp_lightning.distributed.fsdp import (
 from lp_lightning.distributed.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
-from lp_lightning.observers import stage
+from lp_lightning.observers import notify_collective, stage
 
 __all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
 
@@ -349,6 +351,14 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's ``reduce`` (an all-reduce whenever the process group is up, one rank included),
+        reported to :func:`~lp_lightning.observers.add_collective_observer` first (the per-step loss mean)."""
+        if isinstance(tensor, torch.Tensor) and dist.is_available() and dist.is_initialized():
+            notify_collective("all_reduce", tensor, "strategy.reduce")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -32,7 +32,7 @@ __all__ = [
     "case_by_name", "cases_for_rows", "runs_for_rows",
 ]
 
-PROBES = "lp_lightning.lightning.probe_callbacks"
+PROBES = "lp_lightning.telemetry.probe_callbacks"
 MIN_REQUIRED_STEPS = 20
 """Steps a main run and its steady window must reach in an acceptance (design spec §17.2, §17.4)."""
 FSDP_ROWS = ("Q3-05", "Q3-06", "Q3-07", "Q3-08")
@@ -224,7 +224,7 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
             runs.append(
                 RunSpec(
                     f"probe/{case.name}", "probe", case, 3, overrides=dict(variant),
-                    callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.lightning.probes.HighPrecisionGemmProbe"}),
+                    callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.telemetry.probes.HighPrecisionGemmProbe"}),
                 )
             )
         runs.append(

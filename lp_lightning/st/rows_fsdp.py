@@ -2,7 +2,7 @@
 
 Evidence: the gather trace (pre/post-all-gather events with the physical tensors, HiF8 scale values
 and SHA-1 of every rebuilt storage tensor), the scale records of the refreshes, the refresh records
-and the run summaries' wire sections (:mod:`lp_lightning.lightning.probe_callbacks`).
+and the run summaries' wire sections (:mod:`lp_lightning.telemetry.probe_callbacks`).
 """
 
 from __future__ import annotations

@@ -111,6 +111,7 @@ def run_config(spec: RunSpec, folder: Path, settings: STSettings) -> dict[str, A
             "callbacks": callbacks,
         },
         "checkpoint": {"dirpath": None},  # each run its own <default_root_dir>/checkpoints
+        "run_summary": {"wire": True},  # the rows read the wire section (opt-in telemetry)
     }
     return _merge(config, _nested(spec.overrides))
 

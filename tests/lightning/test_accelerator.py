@@ -191,7 +191,7 @@ _NPU_DEVICE_SCRIPT = textwrap.dedent(
     from lightning.fabric import Fabric
     import lp_lightning.lightning.strategy as strategy_module
     from lp_lightning.lightning import BF16FabricPlugin, BF16Plugin, FSDP2FabricStrategy, FSDP2Strategy, NPUAccelerator
-    from lp_lightning.lightning.callbacks import _peak_memory_bytes
+    from lp_lightning.telemetry.summary import _peak_memory_bytes
 
     calls = []
     init = lambda env, backend, **kwargs: calls.append(["init_process_group", backend, str(kwargs["device_id"])])

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from _inprocess import fit_tiny, tiny_datamodule
 from lp_lightning.formats import compiled_kernels_enabled
 from lp_lightning.lightning import LowPrecisionPlugin
-from lp_lightning.lightning.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe
+from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe
 
 pytestmark = pytest.mark.slow
 
@@ -248,7 +248,7 @@ def test_fabric_twin_converts_shards_refreshes_and_restores(mode, tmp_path, isol
 def test_wire_recorder_counts_a_replaced_module_computing_from_a_plain_weight():
     """Negative control of ``wire.high_precision_gathers_of_replaced``: a declared low-precision
     weight that reaches the module's forward as a plain FP32 tensor is counted."""
-    from lp_lightning.lightning.probes import record_wire
+    from lp_lightning.telemetry.probes import record_wire
 
     model = nn.Sequential(_FakeReplaced(), nn.Linear(8, 8))
     with record_wire(model) as wire:

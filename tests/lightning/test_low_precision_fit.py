@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
-from lp_lightning.lightning.probes import GEMM_ROLE_KEYS
+from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -54,9 +54,10 @@ def _run(root: Path, cache_dir: str, precision: str, *extra: str, expect_failure
         "--checkpoint.every_n_steps", "3", "--model.warmup_steps", "2", "--model.lr_decay_steps", str(STEPS),
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.callbacks+=_probes.ImportedModules", f"--trainer.callbacks.out_dir={root / 'probe'}",
+        "--run_summary.wire", "true",  # the tests read the opt-in wire section
     ]
     if precision != "bf16":
-        args.append("--trainer.callbacks+=lp_lightning.lightning.probes.HighPrecisionGemmProbe")
+        args.append("--trainer.callbacks+=lp_lightning.telemetry.probes.HighPrecisionGemmProbe")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     proc = subprocess.run(args + list(extra), cwd=root.parent, env=env, capture_output=True, text=True, timeout=600)

@@ -46,6 +46,7 @@ def test_run_config_sets_the_variant_on_top_of_the_user_yaml(tmp_path):
     assert config["precision"] == "hif8" and config["low_precision"] is None
     assert config["fsdp_config"]["reshard_after_forward"] is False
     assert config["trainer"]["devices"] == 2 and config["trainer"]["default_root_dir"] == str(tmp_path)
+    assert config["run_summary"] == {"wire": True}  # the rows read the opt-in wire section
     assert all(c["init_args"]["out_dir"] == str(tmp_path / "probes") for c in config["trainer"]["callbacks"])
 
 

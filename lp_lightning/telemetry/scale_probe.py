@@ -1,7 +1,7 @@
 """amax, scales and scale histograms of every quantisation on sampled steps: ``scales_rank<r>.json``.
 
 :class:`ScaleStatsProbe` is one of the probe callbacks of
-:mod:`lp_lightning.lightning.probe_callbacks` (file format there). It registers a quantize
+:mod:`lp_lightning.telemetry.probe_callbacks` (file format there). It registers a quantize
 observer (``lp_lightning.ops.add_quantize_observer``) only while a sampled step is open, so the
 other steps build no quantize event at all.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lp_lightning.lightning.probe_base import ProbeCallback, StepInfo
-from lp_lightning.lightning.probes import _dtype_name
+from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
+from lp_lightning.telemetry.probes import _dtype_name
 
 __all__ = ["ScaleStatsProbe"]
 

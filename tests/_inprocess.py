@@ -14,8 +14,8 @@ from lp_lightning.lightning import (
     FSDP2Strategy,
     LowPrecisionPlugin,
     PretrainDataModule,
-    RunSummaryCallback,
 )
+from lp_lightning.telemetry import RunSummaryCallback
 
 
 def fit_tiny(
@@ -28,16 +28,18 @@ def fit_tiny(
     plugin: LowPrecisionPlugin | None = None,
     fsdp_config: FSDP2Config | None = None,
     callbacks: list[pl.Callback] | None = None,
+    wire: bool = True,
     **trainer_kwargs: Any,
 ) -> tuple[pl.Trainer, DeepSeekV3LM, dict[str, Any]]:
     """Trains dsv3-tiny for ``max_steps`` in this process; returns trainer, module, run summary.
 
-    ``trainer_kwargs`` add to or replace the Trainer arguments below (e.g. ``accelerator``, ``logger``).
+    ``trainer_kwargs`` add to or replace the Trainer arguments below (e.g. ``accelerator``, ``logger``);
+    ``wire`` is the summary's opt-in wire section (on here: the tests read it).
     """
     module = DeepSeekV3LM(
         activation_checkpoint=activation_checkpoint, warmup_steps=1, lr_decay_steps=max(2, max_steps)
     )
-    summary = RunSummaryCallback(path=str(root / "run_summary.json"))
+    summary = RunSummaryCallback(path=str(root / "run_summary.json"), wire=wire)
     arguments: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": 1,

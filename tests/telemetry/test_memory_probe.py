@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from lp_lightning.lightning import TensorMemoryProbe
-from lp_lightning.lightning.memory_probe import COMPONENTS, components_of
+from lp_lightning.telemetry import TensorMemoryProbe
+from lp_lightning.telemetry.memory_probe import COMPONENTS, components_of
 
 IN, OUT, BATCH = 64, 32, 512
 F32 = 4

@@ -1,10 +1,11 @@
 """Read-only probes of a training run: GEMM roles, high-precision GEMMs, refreshes, wire bytes (R12, design spec §16.6).
 
 Each recorder observes and counts; none changes a tensor, a kernel choice or the order of any
-operation. :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` runs the cheap ones for
-every fit and writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an
-opt-in Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch
-mode under every aten op.
+operation. :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` runs the GEMM-role and
+refresh counters for every fit and the wire recorder when asked (``--run_summary.wire true``), and
+writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an opt-in
+Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch mode under
+every aten op.
 
 **GEMM roles** (:class:`GemmRoleCounter`): an observer of ``lp_lightning.ops`` trace events
 (``add_gemm_observer``). Every low-precision GEMM emits one event naming its backend
@@ -43,21 +44,30 @@ step (and reports the largest number of builds of one weight in one step, which 
   its public gather observers (``lp_lightning.integration.add_gather_observer``), and the
   recorder records the parameter FQN, phase (forward/backward), orientations and the physical
   tensors (dtype, shape, bytes). It never touches their contents.
-- per collective: the recorder wraps ``torch.distributed.all_gather_single`` and
-  ``torch.distributed.reduce_scatter_single`` (what FSDP2's default collectives call) and records
-  dtype and bytes of this rank's input. FSDP2 packs one unit's inputs into one buffer and views it
-  as ``uint8`` when their dtypes differ, so the bytes of a ``uint8`` buffer are split into the
-  low-precision slots announced by the pre-all-gather hooks since the previous collective, and the
-  rest, which are the unit's plain parameters cast to ``plain_dtype`` (the unit's
-  ``MixedPrecisionPolicy.param_dtype``, BF16) before the copy-in.
+- per collective: the recorder observes :func:`lp_lightning.observers.add_collective_observer`
+  and records dtype and bytes of this rank's input. FSDP2's all-gathers and reduce-scatters are
+  reported by the comms :func:`observe_fsdp_collectives` installs with FSDP2's public
+  ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` (:class:`ObservedAllGather`,
+  :class:`ObservedReduceScatter`: FSDP2's default comms — a ``torch.empty`` buffer,
+  ``all_gather_single`` / ``reduce_scatter_single`` — plus the report). FSDP2 packs one unit's
+  inputs into one buffer and views it as ``uint8`` when their dtypes differ, so the bytes of a
+  ``uint8`` buffer are split into the low-precision slots announced by the pre-all-gather hooks
+  since the previous collective, and the rest, which are the unit's plain parameters cast to
+  ``plain_dtype`` (the unit's ``MixedPrecisionPolicy.param_dtype``, BF16) before the copy-in.
 - high-precision gathers of replaced weights: a forward pre-hook on every replaced module checks,
   after FSDP2's unshard, that each declared low-precision parameter is a low-precision tensor
   (``GatheredWeightTensor`` after a gather); a plain BF16/FP32 tensor there, or a pre-all-gather
   output wider than one byte, is counted.
 
-- every ``torch.distributed.all_reduce`` (FSDP2's HSDP gradient all-reduce over the replicate
-  dim of replicated fallback weights, the HiF8 amax MAX-reduce, gradient-norm reductions) is
-  counted apart under ``all_reduce_bytes``.
+- every all-reduce of a training step is counted apart under ``all_reduce_bytes``: FSDP2's HSDP
+  gradient all-reduce over the replicate dim of replicated fallback weights (reported by the
+  all-reduce hook :func:`observe_fsdp_collectives` sets with ``FSDPModule.set_all_reduce_hook`` on
+  the units with a 2-D mesh; the hook sees the all-reduced buffer itself), and the product's own
+  all-reduces, each reported where it is issued: the HiF8 amax MAX-reduce
+  (``integration.refresh``), the non-finite flags (``distributed.finite.first_nonfinite``) and the
+  strategy's ``reduce`` (the per-step loss mean). The gradient-norm reduction of
+  ``distributed.fsdp.total_grad_norm`` is a DTensor ``full_tensor()`` (a functional collective)
+  and is not counted (it never was).
 
 Bytes are *this rank's collective inputs* (an all-gather moves ``W`` times that into every rank).
 A one-rank FSDP2 shard group issues no collective at all (FSDP2 copies the gather inputs
@@ -70,8 +80,6 @@ collective, so a single-process run reports empty byte maps.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -83,16 +91,24 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
+
+from lp_lightning.observers import CollectiveEvent, add_collective_observer, notify_collective
 
 __all__ = [
     "ATEN_GEMM_OPS",
     "GEMM_ROLE_KEYS",
     "GemmRoleCounter",
     "HighPrecisionGemmProbe",
+    "ObservedAllGather",
+    "ObservedReduceScatter",
     "RefreshCounter",
     "WireRecorder",
+    "observe_fsdp_collectives",
     "replaced_modules",
 ]
 
@@ -150,7 +166,7 @@ class GemmRoleCounter:
         self.formats[event.format] += 1
 
     def __enter__(self) -> GemmRoleCounter:
-        from lp_lightning.ops import add_gemm_observer
+        from lp_lightning.ops import add_gemm_observer  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._handle = add_gemm_observer(self._observe)
         return self
@@ -194,8 +210,8 @@ class HighPrecisionGemmProbe(Callback):
     """Counts aten GEMMs inside replaced modules that are not low-precision GEMMs (must be 0).
 
     Active from ``on_train_start`` to ``on_train_end`` (validation included). Add it to a run
-    with ``--trainer.callbacks+=lp_lightning.lightning.probes.HighPrecisionGemmProbe``; the
-    :class:`~lp_lightning.lightning.callbacks.RunSummaryCallback` copies its counts into
+    with ``--trainer.callbacks+=lp_lightning.telemetry.probes.HighPrecisionGemmProbe``; the
+    :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` copies its counts into
     ``run_summary.json`` ``kernels``.
 
     Attributes:
@@ -227,7 +243,7 @@ class HighPrecisionGemmProbe(Callback):
         }
 
     def _classify(self, func: Any) -> None:
-        from lp_lightning.ops import current_gemm_role
+        from lp_lightning.ops import current_gemm_role  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         if current_gemm_role() is not None:
             return  # a low-precision GEMM entry point (emulated: FP32 matmul of decoded operands)
@@ -268,7 +284,7 @@ class HighPrecisionGemmProbe(Callback):
         replaced = replaced_modules(model)
         self.watched_modules = len(replaced)
         if replaced:
-            from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES
+            from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
             self._backward_nodes = LOW_PRECISION_BACKWARD_NODES
         for module in model.modules():
@@ -277,7 +293,7 @@ class HighPrecisionGemmProbe(Callback):
         for _, module in replaced:
             self._handles.append(module.register_forward_pre_hook(self._enter("_replaced_depth")))
             self._handles.append(module.register_forward_hook(self._exit("_replaced_depth"), always_call=True))
-        from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
+        from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._compiled_before = compiled_kernels_enabled()
         set_compiled_kernels(False)
@@ -293,7 +309,7 @@ class HighPrecisionGemmProbe(Callback):
             handle.remove()
         self._handles.clear()
         if self._compiled_before is not None:
-            from lp_lightning.formats import set_compiled_kernels
+            from lp_lightning.formats import set_compiled_kernels  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
             set_compiled_kernels(self._compiled_before)
             self._compiled_before = None
@@ -328,7 +344,7 @@ class RefreshCounter:
     """
 
     def __init__(self) -> None:
-        from lp_lightning.integration import RefreshRecorder
+        from lp_lightning.integration import RefreshRecorder  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._recorder = RefreshRecorder()
         self._seen = 0
@@ -366,6 +382,73 @@ class RefreshCounter:
 
 # ------------------------------------------------------------------------------------------------
 # Wire
+
+
+class ObservedAllGather(AllGather):
+    """FSDP2's default all-gather, reporting each call to the collective observers.
+
+    The same buffer (``torch.empty``) and the same call (``dist.all_gather_single``) as FSDP2's
+    ``DefaultAllGather``, so numerics and bytes are those of a run without it.
+    """
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> Any:
+        notify_collective("all_gather", input_tensor, "fsdp2")
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class ObservedReduceScatter(ReduceScatter):
+    """FSDP2's default reduce-scatter (``torch.empty`` buffers, ``dist.reduce_scatter_single``), reporting each call."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        notify_collective("reduce_scatter", input_tensor, "fsdp2")
+        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
+
+
+def _report_hsdp_all_reduce(reduce_output: torch.Tensor) -> None:
+    notify_collective("all_reduce", reduce_output, "fsdp2.hsdp")
+
+
+def _is_hsdp(module: nn.Module) -> bool:
+    """Whether the parameters ``module``'s own FSDP2 unit manages live on a 2-D (replicate, shard) mesh."""
+    inner = {id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()}
+    own = [p for p in module.parameters() if id(p) not in inner]
+    return any(isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in own)
+
+
+def observe_fsdp_collectives(model: nn.Module) -> int:
+    """Make every FSDP2 unit in ``model`` report its collectives (FSDP2's public comm hooks).
+
+    Installs :class:`ObservedAllGather` / :class:`ObservedReduceScatter` with
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` on every ``FSDPModule``, and on the
+    HSDP units (2-D mesh: the replicated fallback weights) an all-reduce hook
+    (``set_all_reduce_hook``) that reports the replicate-dim gradient all-reduce. The comms stay
+    installed after a run; with no collective observer they do exactly what FSDP2's defaults do.
+
+    Returns:
+        The number of FSDP2 units observed.
+    """
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_custom_all_gather(ObservedAllGather())
+        unit.set_custom_reduce_scatter(ObservedReduceScatter())
+        if _is_hsdp(unit):
+            unit.set_all_reduce_hook(_report_hsdp_all_reduce)
+    return len(units)
 
 
 @dataclass(frozen=True)
@@ -471,12 +554,11 @@ class WireRecorder:
             kind = "weight_gather_local" if local else "weight_gather"
             self._step_trace.append({"kind": kind, **event.as_dict()})
 
-    def _on_collective(self, kind: str, tensor: torch.Tensor) -> None:
+    def _on_collective(self, collective: CollectiveEvent) -> None:
         if self._paused:
             self._pending.clear()
             return
-        total = tensor.numel() * tensor.element_size()
-        dtype = _dtype_name(tensor.dtype)
+        kind, total, dtype = collective.kind, collective.bytes, collective.dtype
         if kind == "reduce_scatter":
             self._step_rs[dtype] += total
             split = {dtype: total}
@@ -487,7 +569,7 @@ class WireRecorder:
             return
         else:
             low = sum(e.bytes for e in self._pending)
-            if tensor.dtype == torch.uint8 and self._pending:
+            if dtype == "uint8" and self._pending:
                 split = {"uint8": low}
                 if total > low:
                     split[_dtype_name(self.plain_dtype)] = total - low
@@ -529,31 +611,15 @@ class WireRecorder:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self, model: nn.Module | None = None) -> None:
-        """Wrap the collectives (and the low-precision pre-all-gather hook, if loaded); hook ``model``."""
+        """Observe the collectives and the low-precision pre-all-gathers (if loaded); hook ``model``.
+
+        ``model``'s FSDP2 units get the reporting comms of :func:`observe_fsdp_collectives`.
+        """
         recorder = self
-
-        def wrap(name: str, kind: str, input_index: int) -> None:
-            original = getattr(dist, name, None)
-            if original is None:
-                return
-
-            @functools.wraps(original)
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                bound = signature.bind(*args, **kwargs)
-                recorder._on_collective(kind, bound.arguments[input_name])
-                return original(*args, **kwargs)
-
-            signature = inspect.signature(original)
-            input_name = list(signature.parameters)[input_index]
-            setattr(dist, name, wrapped)
-            self._stack.callback(setattr, dist, name, original)
-
-        # What FSDP2's default collectives call (torch.distributed.fsdp._fully_shard._fsdp_collectives):
-        # (output, input, ...) for the two sharded ones; all_reduce(tensor, ...) for HSDP's replicate
-        # dim (the gradients of replicated fallback weights) and for every other all-reduce in a step.
-        wrap("all_gather_single", "all_gather", 1)
-        wrap("reduce_scatter_single", "reduce_scatter", 1)
-        wrap("all_reduce", "all_reduce", 0)
+        handle = add_collective_observer(self._on_collective)
+        self._stack.callback(handle.remove)
+        if model is not None:
+            observe_fsdp_collectives(model)
 
         gather = sys.modules.get("lp_lightning.integration.gather")
         if gather is not None:  # the public gather observers (loaded whenever a weight can be gathered)
@@ -564,7 +630,7 @@ class WireRecorder:
                 self._hooks.append(module.register_forward_pre_hook(lambda m, args: recorder._check_module_weights(m)))
 
     def stop(self) -> None:
-        """Restore every wrapped function and remove the hooks (idempotent)."""
+        """Stop observing and remove the hooks (idempotent)."""
         self._stack.close()
         for handle in self._hooks:
             handle.remove()

@@ -1,4 +1,4 @@
-"""The read-only probe callbacks (lp_lightning.lightning.probe_callbacks; design spec §16.6, §17).
+"""The read-only probe callbacks (lp_lightning.telemetry.probe_callbacks; design spec §16.6, §17).
 
 One in-process Trainer run per format (dsv3-tiny, 1-rank FSDP2 mesh, 2 optimizer steps — of 2
 micro-batches in MXFP8, of 1 in HiF8, whose emulation is 4x slower on the CPU —, step 1 sampled,
@@ -22,16 +22,16 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 
 from _inprocess import fit_tiny, tiny_datamodule
-from lp_lightning.lightning import (
+from lp_lightning.lightning import LowPrecisionPlugin
+from lp_lightning.telemetry import (
     GatherTraceProbe,
     GemmTraceProbe,
-    LowPrecisionPlugin,
     ProfilerProbe,
     RefreshProbe,
     ScaleStatsProbe,
     StepRecordProbe,
 )
-from lp_lightning.lightning.profile_probe import CATEGORIES
+from lp_lightning.telemetry.profile_probe import CATEGORIES
 
 REPO = Path(__file__).resolve().parents[2]
 WEIGHTS = 21 + 2 * 2  # 21 replaced Linears + gate_up_proj and down_proj of the 2 routed-experts modules
@@ -214,7 +214,7 @@ def test_profile_categories_count_nested_ranges_once():
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import lp_lightning.ops  # noqa: F401  (its labels are known once it is loaded, as in any low-precision run)
-    from lp_lightning.lightning.profile_probe import STEP_LABEL, categorise_profile
+    from lp_lightning.telemetry.profile_probe import STEP_LABEL, categorise_profile
 
     a = torch.randn(256, 256)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -318,12 +318,12 @@ def test_probe_arguments_are_checked():
 _PROBES_YAML = """\
 trainer:
   callbacks:
-    - class_path: lp_lightning.lightning.RefreshProbe
-    - class_path: lp_lightning.lightning.GatherTraceProbe
+    - class_path: lp_lightning.telemetry.RefreshProbe
+    - class_path: lp_lightning.telemetry.GatherTraceProbe
       init_args: {sample_every: 1}
-    - class_path: lp_lightning.lightning.ScaleStatsProbe
-    - class_path: lp_lightning.lightning.StepRecordProbe
-    - class_path: lp_lightning.lightning.probes.HighPrecisionGemmProbe
+    - class_path: lp_lightning.telemetry.ScaleStatsProbe
+    - class_path: lp_lightning.telemetry.StepRecordProbe
+    - class_path: lp_lightning.telemetry.probes.HighPrecisionGemmProbe
 """
 
 

@@ -1,10 +1,10 @@
-"""The common driver of the probe callbacks (:mod:`lp_lightning.lightning.probe_callbacks`).
+"""The common driver of the probe callbacks (:mod:`lp_lightning.telemetry.probe_callbacks`).
 
 :class:`ProbeCallback` numbers the optimizer steps (the global step after each), decides which are
 sampled, turns the Trainer's hooks and the Fabric loop's ``fabric.call`` hooks into one sequence
 (start, step start, micro-batch end, step end, end), sends each probe's scalars to the loggers
 and writes its JSON file. The probes and the file formats are described in
-:mod:`lp_lightning.lightning.probe_callbacks`.
+:mod:`lp_lightning.telemetry.probe_callbacks`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ProbeCallback(Callback):
     Subclasses set ``kind`` and override ``_on_start`` (register observers and hooks with
     :meth:`_keep`), ``_on_step_start``, ``_on_micro_batch_end``, ``_on_step_end`` (returns scalars
     to log), ``_on_stop`` (anything else to close; the kept handles are removed after it) and
-    ``_payload`` (their part of the file, see :mod:`lp_lightning.lightning.probe_callbacks`).
+    ``_payload`` (their part of the file, see :mod:`lp_lightning.telemetry.probe_callbacks`).
 
     Args:
         out_dir: Folder of the JSON files; ``null`` = ``<trainer.default_root_dir>/probes``.

@@ -1,6 +1,6 @@
 """Peak live tensor bytes per rank and per category over the measured steps: ``tensor_memory_rank<r>.json``.
 
-:class:`TensorMemoryProbe` (a :class:`~lp_lightning.lightning.probe_base.ProbeCallback`) measures
+:class:`TensorMemoryProbe` (a :class:`~lp_lightning.telemetry.probe_base.ProbeCallback`) measures
 the memory the training state and the step's tensors occupy, the same way for bf16 and 8-bit runs
 and on any device: the bytes of the **live untyped storages** of the rank's tensors, each storage
 counted once however many views, parameters or tensor-subclass wrappers (a
@@ -63,10 +63,10 @@ parameters), ``low_precision_storage`` = the built 8-bit data and scales of this
 
 **Limits.** Tensors created outside the tracked steps and not held by the parameters, gradients,
 buffers or optimizer are not seen (none besides the previous batch in a DeepSeek run:
-``tests/lightning/test_memory_probe.py`` checks the tracker against every tensor the garbage
+``tests/telemetry/test_memory_probe.py`` checks the tracker against every tensor the garbage
 collector sees). Steps run several times slower under the mode: measure a few steps, not a long run.
 
-File keys (besides the common ones of :mod:`~lp_lightning.lightning.probe_callbacks`):
+File keys (besides the common ones of :mod:`~lp_lightning.telemetry.probe_callbacks`):
 ``source``, ``counted`` (the sentence above), ``warmup_steps``, ``device``, ``per_step``
 ``[{"step", "end_bytes", "measured", "all_ops_bytes", "all_ops_phase", "outside_emulation_bytes",
 "outside_emulation_phase"}]`` (``end_bytes``: live bytes when the step closed: masters, 8-bit
@@ -89,7 +89,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from typing_extensions import override
 
-from lp_lightning.lightning.probe_base import ProbeCallback, StepInfo
+from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
 
 __all__ = ["COMPONENTS", "COUNTED", "PEAKS", "SOURCE", "TensorMemoryProbe", "components_of"]
 
@@ -205,7 +205,7 @@ class TensorMemoryProbe(ProbeCallback):
     Args:
         warmup_steps: Steps at the start of the fit call whose peaks are not used (>= 0; 1 leaves
             out the step that allocates the optimizer state).
-        out_dir, sample_every: As :class:`~lp_lightning.lightning.probe_base.ProbeCallback`
+        out_dir, sample_every: As :class:`~lp_lightning.telemetry.probe_base.ProbeCallback`
             (every step is measured; ``sample_every`` only numbers the sampled steps).
 
     Raises:

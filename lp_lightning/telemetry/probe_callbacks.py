@@ -33,10 +33,10 @@ names prefixed ``probe/``: ``refreshes``, ``gemms``, ``gathers_pre`` / ``gathers
 ``step_time_s``, ``tokens_per_s``, ``peak_memory_bytes`` per step; ``profile/<category>_share``
 once the profiled window closes.
 
-The common driver is :class:`~lp_lightning.lightning.probe_base.ProbeCallback`;
-:class:`ScaleStatsProbe` lives in :mod:`~lp_lightning.lightning.scale_probe`,
-:class:`ProfilerProbe` in :mod:`~lp_lightning.lightning.profile_probe` and
-:class:`TensorMemoryProbe` in :mod:`~lp_lightning.lightning.memory_probe` (all exported here).
+The common driver is :class:`~lp_lightning.telemetry.probe_base.ProbeCallback`;
+:class:`ScaleStatsProbe` lives in :mod:`~lp_lightning.telemetry.scale_probe`,
+:class:`ProfilerProbe` in :mod:`~lp_lightning.telemetry.profile_probe` and
+:class:`TensorMemoryProbe` in :mod:`~lp_lightning.telemetry.memory_probe` (all exported here).
 
 **Files.** Each probe writes, on every rank at the end of training, one JSON file
 ``<out_dir>/<kind>_rank<r>.json`` (``out_dir`` default ``<default_root_dir>/probes``), top level
@@ -79,9 +79,9 @@ probe (kind)                 what it adds
 (``steps``)                  "tokens_per_s", "peak_memory_bytes", "peak_memory_source",
                              "micro_batches", "skipped"}]``, ``threads``, ``load_average``
                              ``{"start", "end"}``
-:class:`ProfilerProbe`       see :mod:`lp_lightning.lightning.profile_probe` (``window``,
+:class:`ProfilerProbe`       see :mod:`lp_lightning.telemetry.profile_probe` (``window``,
 (``profile``)                ``wall_s``, ``categories_s``, ``shares``, ``top_ops``)
-:class:`TensorMemoryProbe`   see :mod:`lp_lightning.lightning.memory_probe` (``peak_bytes``: peak
+:class:`TensorMemoryProbe`   see :mod:`lp_lightning.telemetry.memory_probe` (``peak_bytes``: peak
 (``tensor_memory``)          live tensor bytes of the measured steps, ``by_category``,
                              ``by_component``, ``phase``, ``per_step``); also fills the
                              ``peak_tensor_bytes*`` keys of ``run_summary.json``
@@ -105,12 +105,12 @@ from typing import Any
 
 import torch
 
-from lp_lightning.lightning.callbacks import _load_average, _peak_memory_bytes, _threads
-from lp_lightning.lightning.memory_probe import TensorMemoryProbe
-from lp_lightning.lightning.probe_base import ProbeCallback, StepInfo
-from lp_lightning.lightning.probes import _dtype_name
-from lp_lightning.lightning.profile_probe import ProfilerProbe
-from lp_lightning.lightning.scale_probe import ScaleStatsProbe
+from lp_lightning.telemetry.summary import _load_average, _peak_memory_bytes, _threads
+from lp_lightning.telemetry.memory_probe import TensorMemoryProbe
+from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
+from lp_lightning.telemetry.probes import _dtype_name
+from lp_lightning.telemetry.profile_probe import ProfilerProbe
+from lp_lightning.telemetry.scale_probe import ScaleStatsProbe
 
 __all__ = [
     "GatherTraceProbe",

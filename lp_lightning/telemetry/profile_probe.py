@@ -1,6 +1,6 @@
 """Time shares of a few training steps from ``torch.profiler`` (design spec §17.4): ``profile_rank<r>.json``.
 
-:class:`ProfilerProbe` (a :class:`~lp_lightning.lightning.probe_base.ProbeCallback`) runs
+:class:`ProfilerProbe` (a :class:`~lp_lightning.telemetry.probe_base.ProbeCallback`) runs
 ``torch.profiler`` over the optimizer steps ``start_step`` … ``start_step + steps - 1`` of the fit
 call (counted from 1 within the call, so the first, compiling step can be left out), marks each
 profiled step with the range ``"lp_lightning::probe_step"`` and sorts the host-side (CPU) ranges
@@ -45,8 +45,8 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lp_lightning.lightning.probe_base import ProbeCallback, StepInfo
-from lp_lightning.lightning.probes import ATEN_GEMM_OPS
+from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
+from lp_lightning.telemetry.probes import ATEN_GEMM_OPS
 
 __all__ = ["CATEGORIES", "STEP_LABEL", "ProfilerProbe", "categorise_profile"]
 
@@ -120,7 +120,7 @@ class ProfilerProbe(ProbeCallback):
         start_step: First profiled step, counted from 1 within the fit call (2 leaves out the
             first step's compilation and warm-up).
         steps: Number of profiled steps.
-        out_dir, sample_every: As :class:`~lp_lightning.lightning.probe_base.ProbeCallback`.
+        out_dir, sample_every: As :class:`~lp_lightning.telemetry.probe_base.ProbeCallback`.
 
     Raises:
         ValueError: ``start_step`` or ``steps`` is not an int >= 1.
