@@ -26,13 +26,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
-from lp_lightning.integration import (
-    GatherPolicy,
-    finalize_low_precision_weights,
-    gather_policy_for,
-    iter_low_precision_weights,
-    refresh_low_precision_weights,
-)
+from lp_lightning import integration  # called through the package: the lifecycle's one namespace
+from lp_lightning.integration import GatherPolicy
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import (
     BackendChoice,
@@ -67,13 +62,13 @@ class WeightRefresher:
 
     def after_step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Refreshes the weights among ``params``; returns each weight's master amax (the guard reads it)."""
-        amax = refresh_low_precision_weights(params).master_amax
+        amax = integration.refresh_low_precision_weights(params).master_amax
         self.counts["step"] += 1
         return amax
 
     def after_load(self, causal_lm: nn.Module) -> None:
         """Refreshes every weight of ``causal_lm`` after a DCP load (collective: HiF8 MAX-reduces its amax)."""
-        refresh_low_precision_weights(causal_lm.parameters())
+        integration.refresh_low_precision_weights(causal_lm.parameters())
         self.counts["resume"] += 1
 
 
@@ -179,7 +174,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
                 "configure_sharding must run before convert_module: the MXFP8 gather policy is fixed when the "
                 "low-precision weights are finalized."
             )
-        self._gather_policy = gather_policy_for(
+        self._gather_policy = integration.gather_policy_for(
             reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint  # type: ignore[arg-type]
         )
 
@@ -210,7 +205,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
         adapter = adapter_for(module)
         causal_lm = adapter.causal_lm(module)
         if self._report is not None:
-            if any(True for _ in iter_low_precision_weights(causal_lm)):
+            if any(True for _ in integration.iter_low_precision_weights(causal_lm)):
                 raise RuntimeError(
                     f"{type(self).__name__}.convert_module ran twice on {type(causal_lm).__name__}: it is already "
                     "converted; pass the converted model on, do not convert it again."
@@ -222,7 +217,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
             )
         report = self.compile_plan(adapter.build_meta_twin(causal_lm)).apply(causal_lm)
         sharded_later = self._gather_policy is not None
-        records = finalize_low_precision_weights(
+        records = integration.finalize_low_precision_weights(
             causal_lm,
             recipe=self.policy,
             gather_policy=self._gather_policy if sharded_later else GatherPolicy(),
