@@ -362,14 +362,31 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         self.guard.consecutive_skips = int(state_dict.get("consecutive_skips", 0))  # a skip streak spans a resume
 
 
+TRAINER_PLUGIN_STATE_KEYS: tuple[str, ...] = ("BF16Plugin", "LowPrecisionPlugin")
+"""The keys under which Lightning saves the Trainer plugins' state in a checkpoint (their class names)."""
+
+
 class TrainerStep:
-    """The Trainer's ``optimizer_step``: it passes the training closure, which runs first.
+    """What the Trainer twins add: ``optimizer_step`` with the training closure, and cross-precision resume.
 
     The plugin runs the closure (forward, backward, ``on_before_optimizer_step``, gradient clipping)
     *before* deciding whether to call ``optimizer.step()``, exactly as Lightning's AMP plugin does, so
     a non-finite step never reaches the optimizer. Mixed into the Trainer twins before Lightning's
     ``Precision``.
     """
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restores the counters from a checkpoint written by the other Trainer plugin (bf16 <-> mxfp8/hif8).
+
+        Lightning keys a precision plugin's state by its class name and restores it only under the
+        same name, so a run resumed in another precision would silently start its step counters and
+        skip streak from zero. Under this plugin's own name Lightning restores it itself.
+        """
+        if type(self).__qualname__ in checkpoint:
+            return
+        state = next((checkpoint[key] for key in TRAINER_PLUGIN_STATE_KEYS if key in checkpoint), None)
+        if state is not None:
+            self.load_state_dict(state)  # type: ignore[attr-defined]
 
     def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """Runs the closure, then the checked optimizer step and the refresh.

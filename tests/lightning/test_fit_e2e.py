@@ -166,7 +166,7 @@ def test_checkpoint_folder_holds_hf_keys_fp32_optimizer_and_position(runs):
     (loader_state,) = meta["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert loader_state["next_micro_index"] == 2
     assert meta["lr_schedulers"][0]["last_epoch"] == 2
-    assert meta["LowPrecisionPlugin"] == {"mode": "bf16", "optimizer_steps_applied": 2, "optimizer_steps_skipped": 0,
+    assert meta["BF16Plugin"] == {"mode": "bf16", "optimizer_steps_applied": 2, "optimizer_steps_skipped": 0,
                                          "consecutive_skips": 0}
 
 

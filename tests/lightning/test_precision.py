@@ -268,6 +268,22 @@ def test_state_dict_round_trip_and_cross_precision_resume():
         BF16Plugin().load_state_dict({"mode": "hif8"})
 
 
+def test_a_trainer_plugin_resumes_the_other_precisions_counters():
+    """Lightning keys plugin state by class name; bf16 <-> mxfp8/hif8 resumes still restore the counters."""
+    state = {"mode": "mxfp8", "optimizer_steps_applied": 3, "optimizer_steps_skipped": 1, "consecutive_skips": 1}
+    bf16 = BF16Plugin()
+    with pytest.warns(UserWarning, match="trained with precision='mxfp8' in precision='bf16'"):
+        bf16.on_load_checkpoint({"LowPrecisionPlugin": state})
+    assert (bf16.optimizer_steps_applied, bf16.optimizer_steps_skipped, bf16.guard.consecutive_skips) == (3, 1, 1)
+    hif8 = LowPrecisionPlugin("hif8")
+    with pytest.warns(UserWarning, match="trained with precision='bf16' in precision='hif8'"):
+        hif8.on_load_checkpoint({"BF16Plugin": {**state, "mode": "bf16"}})
+    assert hif8.optimizer_steps_applied == 3
+    same = LowPrecisionPlugin("hif8")
+    same.on_load_checkpoint({"LowPrecisionPlugin": state})  # its own key: Lightning restores it, not this hook
+    assert same.optimizer_steps_applied == 0
+
+
 # The bf16 import guard (R3 / design spec §13.1: low precision off imports neither the format layer, the
 # plan nor torch_npu) is tests/test_bf16_imports.py: the same plugin steps plus a CLI fit, checked
 # against every low-precision module of the source tree instead of five names.
