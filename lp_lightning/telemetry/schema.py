@@ -199,11 +199,11 @@ never remove them. The summary is one Lightning callback,
 ```python
 import lightning.pytorch as L
 
-from lp_lightning.lightning import DeepSeekV3LM, FSDP2Strategy, LowPrecisionPlugin, PretrainDataModule
+from lp_lightning.lightning import DeepSeekV3LM, FSDP2Strategy, PretrainDataModule, precision_plugin
 from lp_lightning.telemetry import RunSummaryCallback
 
 trainer = L.Trainer(
-    accelerator="cpu", devices=2, max_steps=20, strategy=FSDP2Strategy(), plugins=[LowPrecisionPlugin("mxfp8")],
+    accelerator="cpu", devices=2, max_steps=20, strategy=FSDP2Strategy(), plugins=[precision_plugin("mxfp8")],
     use_distributed_sampler=False,  # the datamodule slices the global batch per rank
     callbacks=[RunSummaryCallback(path="runs/x/run_summary.json", wire=True)],
 )
