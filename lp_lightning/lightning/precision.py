@@ -424,9 +424,15 @@ def precision_plugin(precision: PrecisionMode = "bf16", *, trainer: bool = True,
             ``max_consecutive_skips``; low precision also ``plan_rules``).
 
     Raises:
-        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS` (or a bad argument).
+        ValueError: ``precision`` is not one of :data:`SUPPORTED_PRECISIONS`, ``plan_rules`` given with
+            ``bf16``, or a bad argument.
     """
     if check_precision(precision) == "bf16":
+        if kwargs.pop("plan_rules", None) is not None:
+            raise ValueError(
+                "precision='bf16' replaces no module, so plan_rules does not apply; drop plan_rules (or "
+                "plan_overrides), or choose precision 'mxfp8' or 'hif8'."
+            )
         return (BF16Plugin if trainer else BF16FabricPlugin)(**kwargs)
     # Imported on use: the low-precision plugin imports its whole stack, which a bf16 run never loads.
     from lp_lightning.lightning import low_precision

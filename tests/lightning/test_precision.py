@@ -46,6 +46,9 @@ def test_one_factory_picks_the_plugin():
         LowPrecisionPlugin("bf16")
     with pytest.raises(ValueError, match=r"precision='fp8' is not supported"):
         precision_plugin("fp8")
+    with pytest.raises(ValueError, match=r"precision='bf16' replaces no module, so plan_rules does not apply"):
+        precision_plugin("bf16", plan_rules=[])
+    assert type(precision_plugin("bf16", plan_rules=None)) is BF16Plugin
 
 
 @pytest.mark.parametrize("bad", ["fp16", "bf16-mixed", "fp8", "mxfp4"])
