@@ -19,6 +19,8 @@ from typing import Any
 from jsonargparse import Namespace
 
 from lp_lightning.config import FSDP2Config
+from lp_lightning.data.corpus import resolve_corpus
+from lp_lightning.data.tokenizer import load_tokenizer
 from lp_lightning.distributed.checkpoint import (
     DamagedCheckpointError,
     checkpoint_folders,
@@ -183,9 +185,6 @@ def _check_data_sources_and_tokenizer(data: Namespace) -> None:
         ValueError, TypeError: from :func:`~lp_lightning.data.corpus.resolve_corpus` /
             :func:`~lp_lightning.data.tokenizer.load_tokenizer`, prefixed with the ``data.*`` key.
     """
-    from lp_lightning.data.corpus import resolve_corpus
-    from lp_lightning.data.tokenizer import load_tokenizer
-
     sources = data.get("sources")
     if isinstance(sources, str):
         sources = [sources]  # one path or glob, as the data module takes it
