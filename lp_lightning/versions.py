@@ -69,6 +69,7 @@ def software_versions() -> dict[str, str | None]:
         "transformers"}``; ``None`` for what is not installed or not known (``torch_npu`` and
         ``cann`` off Ascend, ``git_commit`` outside a git checkout).
     """
+    # Imported here: the package root: resolved at call time.
     import lp_lightning
 
     versions: dict[str, str | None] = {

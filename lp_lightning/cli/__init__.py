@@ -86,14 +86,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if args and args[0] == "validate-model":
+        # Imported here: each subcommand loads only its own stack.
         from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
 
         return validate_model_main(args[1:])
     if args and args[0] == "st":
+        # Imported here: each subcommand loads only its own stack.
         from lp_lightning.st.main import st_main
 
         return st_main(args[1:], parse_config=parse_config, fit_main=main)
     if args and args[0] == "plan":
+        # Imported here: each subcommand loads only its own stack.
         from lp_lightning.planner.main import plan_main
 
         return plan_main(args[1:], read_fit_config=plan_settings)

@@ -213,6 +213,7 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
     Raises:
         TypeError, ValueError, ImportError: from the plan, or the illegal shards.
     """
+    # Imported here: a low-precision launch only: a bf16 run imports no lifecycle or plan module.
     from lp_lightning.integration import illegal_shards_error, planned_shard_violations
     from lp_lightning.models.adapter import adapter_for_config
     from lp_lightning.models.replacement import replacement_plan

@@ -383,6 +383,7 @@ def build_token_cache(
     finally:
         tmp.unlink(missing_ok=True)
 
+    # Imported here: the package root imports the data layer: resolved at call time.
     from lp_lightning import __version__
 
     meta = {

@@ -310,6 +310,7 @@ def parallelize_causal_lm(
         raise ValueError(f"expected a 1-D data-parallel mesh, got a mesh of shape {tuple(mesh.shape)}.")
     check_activation_checkpoint(activation_checkpoint)
     if adapter is None:
+        # Imported here: models loads its adapters on first use; the caller may pass one.
         from lp_lightning.models.adapter import adapter_for
 
         adapter = adapter_for(causal_lm)
@@ -340,6 +341,7 @@ def parallelize_causal_lm(
     steps.append("fully_shard")
 
     if sharding is not None:
+        # Imported here: low precision only: a bf16 run imports no lifecycle module.
         from lp_lightning.integration import refresh_low_precision_weights
 
         refresh_low_precision_weights(causal_lm.parameters())
@@ -396,6 +398,7 @@ def _low_precision_sharding(
     """
     if not has_low_precision_weights(causal_lm):
         return None
+    # Imported here: low precision only: a bf16 run imports no lifecycle module.
     from lp_lightning.integration import plan_low_precision_sharding
 
     return plan_low_precision_sharding(
@@ -420,6 +423,7 @@ def _fully_shard_model(
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
     modules = dict(causal_lm.named_modules())
     if replicated_modules:  # before the layers that contain them (integration.sharding docstring)
+        # Imported here: low precision only: a bf16 run imports no lifecycle module.
         from lp_lightning.integration import replicated_fallback_mesh
 
         replicate_mesh = replicated_fallback_mesh(mesh.device_type, mesh.size())

@@ -155,6 +155,7 @@ class DeepSeekV3LM(pl.LightningModule):
         """
         if self.model is not None:
             return
+        # Imported here: the model package loads when the model is built, not on import.
         from lp_lightning.models.deepseek_v3 import from_hf_config
 
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")

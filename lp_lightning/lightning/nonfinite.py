@@ -99,6 +99,7 @@ class NonFiniteGuard:
         """
         if not low_precision:
             return [(self._name(i, p), p) for i, p in enumerate(params)]
+        # Imported here: low precision only: a bf16 run imports no lifecycle module.
         from lp_lightning.integration import local_low_precision_weight
 
         amaxes = iter(refreshed_amax)

@@ -122,6 +122,7 @@ def _resolve_causal_lm(module: nn.Module) -> nn.Module:
     Raises:
         TypeError: No model adapter describes ``module``, or it holds no causal LM.
     """
+    # Imported here: models loads its adapters on first use, not when the strategy is imported.
     from lp_lightning.models.adapter import adapter_for
 
     return adapter_for(module).causal_lm(module)

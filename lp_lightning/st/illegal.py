@@ -336,6 +336,7 @@ def _spawn(case: IllegalCase, workdir: Path, timeout_s: float, fit_main: FitMain
 
 def _fork(case: IllegalCase, workdir: Path, timeout_s: float, context: Any, fit_main: FitMain | None) -> int | None:
     """``illegal_child.run_child`` forked from the preloaded forkserver; its exit status (``None``: timeout)."""
+    # Imported here: the child module imports this one (its case table).
     from lp_lightning.st.illegal_child import run_child
 
     process = context.Process(target=run_child, args=(case, str(workdir), True, fit_main),

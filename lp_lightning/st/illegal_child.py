@@ -71,6 +71,7 @@ def _trainer_fit(case_dir: Path, module: Any, plugin: Any) -> None:
     """A one-step Trainer run (FSDP2Strategy, one CPU rank) on two synthetic batches."""
     import lightning.pytorch as pl
 
+    # Imported here: a case imports only what its user script would.
     from lp_lightning.lightning import FSDP2Strategy
 
     ids = torch.randint(0, 256, (2, 2, 9), generator=torch.Generator().manual_seed(0))
@@ -87,6 +88,7 @@ def _fabric_model() -> tuple[Any, Any]:
     """A launched one-rank Fabric (FSDP2FabricStrategy, bf16 plugin) and its set-up dsv3-tiny."""
     from lightning.fabric import Fabric
 
+    # Imported here: a case imports only what its user script would.
     import lp_lightning.models.deepseek_v3 as deepseek_v3
     from lp_lightning.lightning import FSDP2FabricStrategy, precision_plugin
 
@@ -98,6 +100,7 @@ def _fabric_model() -> tuple[Any, Any]:
 
 def _script_case(name: str, case_dir: Path) -> None:
     """Runs the script case ``name`` (the rows the CLI cannot express); it is expected to raise."""
+    # Imported here: a case imports only what its user script would.
     from lp_lightning.lightning import DeepSeekV3LM, precision_plugin
     from lp_lightning.plan import rules_from_config
 

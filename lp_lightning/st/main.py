@@ -119,6 +119,7 @@ def _log(message: str) -> None:
 
 
 def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
+    # Imported here: only when the numerics rows are selected (builds kernels).
     from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
 
     operators = operator_numerics()
@@ -294,6 +295,7 @@ def _st(
              + ("" if result.ok else f"\n{result.error}"))
     illegal = None
     if "illegal" not in args.skip and "Q3-10" in args.rows:
+        # Imported here: only when the §15 row is selected.
         from lp_lightning.st.illegal import run_illegal_cases
 
         _log("illegal configurations (design spec §15): running")
@@ -304,6 +306,7 @@ def _st(
     if "numerics" not in args.skip:
         _log("layered numerics (design spec §17.3.2): running")
         numerics, numerics_rows = _numerics(out)
+    # Imported here: matplotlib loads only when a report is written.
     from lp_lightning.st.report import short_run_checks, write_report
     from lp_lightning.versions import software_versions
 

@@ -69,6 +69,7 @@ class HiF8Spec(FormatSpec):
 
     @property
     def recipe(self) -> LowPrecisionRecipe:
+        # Imported here: the quantizer module imports this spec: resolved at call time.
         from lp_lightning.formats.hif8.quantizer import HIF8_CURRENT
 
         return HIF8_CURRENT

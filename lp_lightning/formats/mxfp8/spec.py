@@ -90,6 +90,7 @@ class MXFP8Spec(FormatSpec):
 
     @property
     def recipe(self) -> LowPrecisionRecipe:
+        # Imported here: the quantizer module imports this spec: resolved at call time.
         from lp_lightning.formats.mxfp8.quantizer import MXFP8_E4M3_MX_BLOCK
 
         return MXFP8_E4M3_MX_BLOCK

@@ -43,6 +43,7 @@ from lp_lightning.models.deepseek_v3.spec import SPECS, build_meta_model
 
 if TYPE_CHECKING:
     from lp_lightning.formats.spec import FormatSpec
+    # Imported here: the plan is loaded by whoever compiles one, never by a bf16 run.
     from lp_lightning.plan import NeverReplaceRule, ReplacementFactory, ReplacementRule
 
 __all__ = [
@@ -141,6 +142,7 @@ def deepseek_v3_default_rules(
     Raises:
         ValueError: a config field is missing or out of range.
     """
+    # Imported here: the plan is loaded by whoever compiles one, never by a bf16 run.
     from lp_lightning.plan import ReplacementRule
 
     num_layers = _config_value(config, "num_hidden_layers")
