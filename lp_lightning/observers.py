@@ -3,7 +3,7 @@
 Each event kind owns one :class:`Observers` list in the layer that emits it —
 ``lp_lightning.ops.add_gemm_observer`` (every low-precision GEMM),
 ``lp_lightning.ops.add_range_observer`` (begin and end of every quantise/GEMM backend call),
-``lp_lightning.integration.add_gather_observer`` (every low-precision pre-all-gather) and
+``lp_lightning.fsdp.gather.add_gather_observer`` (every low-precision pre-all-gather) and
 ``lp_lightning.tensor.add_refresh_observer`` (every storage build). Collectives are issued by
 several layers (the FSDP2 comms of the wire probe, the non-finite check, the HiF8 amax MAX-reduce,
 the strategy's ``reduce``), so their list, :func:`add_collective_observer`, lives here, below all of

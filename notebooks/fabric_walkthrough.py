@@ -31,7 +31,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 
 from lp_lightning.data import batch_for, build_token_cache, inputs_and_labels
-from lp_lightning.distributed.fsdp import total_grad_norm
+from lp_lightning.fsdp.parallelize import total_grad_norm
 from lp_lightning.formats import set_compiled_kernels
 from lp_lightning.lightning import FSDP2FabricStrategy, precision_plugin
 from lp_lightning.models.adapter import adapter_for

@@ -12,13 +12,15 @@ A fresh subprocess (so no other test's imports leak in) runs the bf16 path the w
 
 Then ``sys.modules`` is compared with the FULL list of low-precision modules, computed by walking
 the source tree (files, not imports) of ``lp_lightning/{formats,ops,functional,modules,tensor,
-integration}`` (the packages that exist), plus ``lp_lightning.models.deepseek_v3.experts`` and
+fsdp}`` (the packages that exist), plus ``lp_lightning.models.deepseek_v3.experts`` and
 ``torch_npu``. The test fails listing every one that was imported.
 
 Allowed exceptions: ``lp_lightning.formats`` (the package ``__init__``, whose attributes load
 lazily) and ``lp_lightning.formats.registry``: the pure-Python catalogue of the formats that the
 config layer reads, so importing them loads no codec, quantizer or kernel. Every other module
-under ``lp_lightning/formats`` is checked.
+under ``lp_lightning/formats`` is checked. In ``lp_lightning/fsdp`` the package ``__init__``,
+``parallelize`` and ``optimizer`` are what every run uses (torch only); every other module there
+(gather, sharding, refresh, weights, lifecycle) is checked.
 
 The replacement plan (``lp_lightning/plan``) is not a low-precision type, but a bf16 run never
 needs it either and the earlier, five-name guard checked it, so it is checked too.
@@ -36,14 +38,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "lp_lightning"
 
-LOW_PRECISION_PACKAGES = ("formats", "ops", "functional", "modules", "tensor", "integration")
+LOW_PRECISION_PACKAGES = ("formats", "ops", "functional", "modules", "tensor", "fsdp")
 """Packages under ``lp_lightning/`` whose every module is low-precision (those absent are skipped)."""
 
 LOW_PRECISION_EXTRA = ("lp_lightning.models.deepseek_v3.experts", "torch_npu")
 """Low-precision modules outside those packages (``torch_npu``: also any ``torch_npu.*`` submodule)."""
 
-ALLOWED = frozenset({"lp_lightning.formats", "lp_lightning.formats.registry"})
-"""Pure-Python format catalogue the config layer reads (module docstring)."""
+ALLOWED = frozenset({
+    "lp_lightning.formats", "lp_lightning.formats.registry",
+    "lp_lightning.fsdp", "lp_lightning.fsdp.parallelize", "lp_lightning.fsdp.optimizer",
+})
+"""Pure-Python format catalogue the config layer reads, and the half of ``fsdp`` every run uses (module docstring)."""
 
 ALSO_UNUSED_IN_BF16 = ("plan",)
 """Packages under ``lp_lightning/`` a bf16 run does not import although they are not low-precision."""
@@ -126,7 +131,7 @@ _SCRIPT = textwrap.dedent(
 def test_bf16_run_imports_no_low_precision_module(tmp_path):
     low_precision = low_precision_modules()
     # The walk found the real thing (an empty walk would pass vacuously).
-    assert {"lp_lightning.tensor.weight", "lp_lightning.integration.gather", "lp_lightning.ops.api", "lp_lightning.functional.linear",
+    assert {"lp_lightning.tensor.weight", "lp_lightning.fsdp.gather", "lp_lightning.ops.api", "lp_lightning.functional.linear",
             "lp_lightning.modules.linear", "lp_lightning.models.deepseek_v3.experts", "torch_npu"} <= set(low_precision)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -114,7 +114,7 @@ def test_16b_mxfp8_dim0_rule_breakers_shard_along_their_input_dim():
     """At 8 ranks 84 weights break the MXFP8 dim-0 rule (design spec §9.1); each takes Shard(1) (2048 / 8 = 256
     columns per rank, a multiple of 64), none is replicated."""
     from lp_lightning.lightning.low_precision import LowPrecisionPlugin
-    from lp_lightning.integration import planned_placements, planned_shard_violations
+    from lp_lightning.fsdp.sharding import planned_placements, planned_shard_violations
     from lp_lightning.models.deepseek_v3 import build_meta_model
 
     illegal = _dim0_rule_breakers_at_8_ranks()
@@ -330,7 +330,7 @@ def _fake_checkpoint(path: Path) -> Path:
     """A real (tiny) checkpoint folder, written by the same function as training checkpoints."""
     import torch
 
-    from lp_lightning.distributed.checkpoint import save_dcp_checkpoint
+    from lp_lightning.checkpoint.dcp import save_dcp_checkpoint
 
     return save_dcp_checkpoint(path, model_state={"w": torch.ones(64)}, optimizer_states={}, metadata={}, rank=0)
 
@@ -383,7 +383,7 @@ def test_ckpt_path_last_and_the_parent_folder(tmp_path, capsys, no_model_build):
     (truncated / ".metadata").write_bytes((truncated / ".metadata").read_bytes()[:10])
     import torch
 
-    from lp_lightning.distributed.checkpoint import save_dcp_checkpoint
+    from lp_lightning.checkpoint.dcp import save_dcp_checkpoint
 
     nonfinite = save_dcp_checkpoint(checkpoints / "step-000060", model_state={"w": torch.full((64,), float("nan"))},
                                     optimizer_states={}, metadata={}, rank=0, allow_nonfinite=True)

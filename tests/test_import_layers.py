@@ -33,12 +33,12 @@ LAYERS: dict[str, str] = {
     "lp_lightning.telemetry": "telemetry",
     "lp_lightning.lightning.accelerator": "accelerator",
     "lp_lightning.lightning": "lightning",
-    "lp_lightning.distributed": "distributed",
+    "lp_lightning.fsdp": "fsdp",
+    "lp_lightning.checkpoint": "checkpoint",
     "lp_lightning.models.adapter": "model_protocol",
     "lp_lightning.models.replacement": "model_protocol",  # the one plan builder: adapter + plan + policy
     "lp_lightning.models": "model_adapters",
     "lp_lightning.plan": "plan",
-    "lp_lightning.integration": "integration",
     "lp_lightning.modules": "modules",
     "lp_lightning.functional": "functional",
     "lp_lightning.tensor": "tensor",
@@ -75,15 +75,17 @@ ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is a
     "tensor": _GENERIC_LOW_PRECISION | {"ops"},
     "functional": _GENERIC_LOW_PRECISION | {"ops", "tensor"},
     "modules": _GENERIC_LOW_PRECISION | {"ops", "tensor", "functional"},
-    "integration": _GENERIC_LOW_PRECISION | {"tensor"},
+    # The FSDP2 lifecycle knows the generic weight protocol, never a model (the layout comes in as an argument).
+    "fsdp": _GENERIC_LOW_PRECISION | {"tensor"},
     "plan": _CONFIG,
     "model_protocol": _CONFIG | {"plan"},
     "model_adapters": _GENERIC_LOW_PRECISION | {"ops", "tensor", "functional", "modules", "plan", "model_protocol"},
-    "distributed": _CONFIG | {"integration", "model_protocol"},
+    # DCP, digests, finiteness and resume resolution: torch only, no model, no low-precision type.
+    "checkpoint": _CONFIG,
     "data": {"root"},
     "evidence": _GENERIC_LOW_PRECISION | {"format:mxfp8", "format:hif8"},
     # The glue observes through the public hooks of ops (GEMM events), functional (backward-node names),
-    # tensor and integration (refresh and gather events); it never imports a format package.
+    # tensor and fsdp (refresh and gather events); it never imports a format package.
     "lightning": set(LAYERS.values()) - {"cli", "st", "planner", "telemetry", "format:mxfp8", "format:hif8"},
     # The run summary and the probes read a run through the glue and the public event hooks; nothing
     # below the entry points imports them (telemetry is opt-in, design spec §16.6).
@@ -294,7 +296,8 @@ def test_generic_format_modules_import_no_format_package():
         ("lp_lightning.formats.mxfp8.codec", "format:mxfp8"),
         ("lp_lightning.formats.operand", "formats"),
         ("lp_lightning.formats.registry", "format_registry"),
-        ("lp_lightning.integration.gather", "integration"),
+        ("lp_lightning.fsdp.gather", "fsdp"),
+        ("lp_lightning.checkpoint.dcp", "checkpoint"),
         ("lp_lightning.telemetry.probes", "telemetry"),
         ("lp_lightning", "root"),
     ],
@@ -306,12 +309,12 @@ def test_layer_of(module, layer):
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
     pkg = tmp_path / "lp_lightning" / "tensor"
     pkg.mkdir(parents=True)
-    (pkg / "x.py").write_text("def f():\n    from lp_lightning.integration import gather\n    from . import y\n")
+    (pkg / "x.py").write_text("def f():\n    from lp_lightning.fsdp import gather\n    from . import y\n")
     (pkg / "y.py").write_text("")
-    (tmp_path / "lp_lightning" / "integration").mkdir()
-    (tmp_path / "lp_lightning" / "integration" / "gather.py").write_text("")
+    (tmp_path / "lp_lightning" / "fsdp").mkdir()
+    (tmp_path / "lp_lightning" / "fsdp" / "gather.py").write_text("")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "lp_lightning")
-    assert _imports(pkg / "x.py") == [(2, "lp_lightning.integration.gather"), (3, "lp_lightning.tensor.y")]
+    assert _imports(pkg / "x.py") == [(2, "lp_lightning.fsdp.gather"), (3, "lp_lightning.tensor.y")]
 
 
 KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
@@ -349,3 +352,12 @@ def test_the_cli_dispatcher_is_its_own_layer():
     assert layer_of("lp_lightning.cli.fit") == layer_of("lp_lightning.cli.launch") == "cli"
     assert "cli" not in ALLOWED["st"] and "cli_entry" not in ALLOWED["st"]
     assert not {"st", "planner", "cli_entry"} & ALLOWED["cli"]
+
+
+def test_the_lifecycle_packages_know_no_model():
+    """``fsdp`` and ``checkpoint`` never import ``models`` (the layout comes in as ``adapter=``, design spec §6)."""
+    assert layer_of("lp_lightning.fsdp.parallelize") == layer_of("lp_lightning.fsdp.gather") == "fsdp"
+    assert layer_of("lp_lightning.checkpoint.resume") == "checkpoint"
+    for lifecycle in ("fsdp", "checkpoint"):
+        assert not {"model_protocol", "model_adapters"} & ALLOWED[lifecycle], lifecycle
+    assert not any(module.startswith(("lp_lightning.fsdp", "lp_lightning.checkpoint")) for module, _ in EXEMPT)

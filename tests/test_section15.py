@@ -33,12 +33,12 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-import lp_lightning.distributed.fsdp as fsdp
+import lp_lightning.fsdp.parallelize as fsdp
 import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import main
 from lp_lightning.cli.fit import LPLightningCLI, parse_config
 from lp_lightning.cli.launch import check_launch
-from lp_lightning.distributed.optimizer import check_optimizer
+from lp_lightning.fsdp.optimizer import check_optimizer
 from lp_lightning.lightning import (
     BF16FabricPlugin,
     BF16Plugin,

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lp_lightning.cli.fit import LPLightningCLI, parse_config, plan_settings
 from lp_lightning.cli.launch import NothingToDo, is_rank_zero
-from lp_lightning.distributed.checkpoint import DamagedCheckpointError, NonFiniteStateError
+from lp_lightning.checkpoint.dcp import DamagedCheckpointError, NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV
 
 __all__ = ["CPU_THREADS_DEFAULT", "default_cpu_threads", "main"]

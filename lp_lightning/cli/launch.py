@@ -21,14 +21,9 @@ from jsonargparse import Namespace
 from lp_lightning.config import FSDP2Config
 from lp_lightning.data.corpus import resolve_corpus
 from lp_lightning.data.tokenizer import load_tokenizer
-from lp_lightning.distributed.checkpoint import (
-    DamagedCheckpointError,
-    checkpoint_folders,
-    is_dcp_checkpoint,
-    newest_intact_checkpoint,
-    sibling_checkpoints,
-    verify_dcp_checkpoint,
-)
+from lp_lightning.checkpoint.dcp import is_dcp_checkpoint
+from lp_lightning.checkpoint.integrity import DamagedCheckpointError
+from lp_lightning.checkpoint.resume import check_explicit_checkpoint, latest_checkpoint
 from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.datamodule import check_batch_geometry
 from lp_lightning.observers import stage
@@ -76,36 +71,14 @@ def _checkpoint_step(path: Path) -> int | None:
 
 
 def _latest_checkpoint(folder: Path) -> Path | None:
-    """The most recently written ``step-NNNNNN`` folder under ``folder`` that passes the quick check.
-
-    Hidden ``.partial`` folders (saves cut short) never match; a folder that fails
-    :func:`~lp_lightning.distributed.checkpoint.verify_dcp_checkpoint` with ``content=False``
-    (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite, unreadable) is skipped with a
-    note on stderr naming it and why. The strategy's load checks the rest (every file's digest,
-    NaN/Inf) and falls back further when needed.
-    """
+    """:func:`~lp_lightning.checkpoint.resume.latest_checkpoint` of ``folder``, each skipped folder noted on stderr
+    (rank 0) naming it and why."""
     def note(path: Path, err: DamagedCheckpointError) -> None:
         if is_rank_zero():  # once, not per rank
             print(f"lp-lightning: ckpt_path=last skips {str(path)!r} ({err.problem}); trying the previous one.",
                   file=sys.stderr)
 
-    return newest_intact_checkpoint(checkpoint_folders(folder), content=False, on_skip=note)
-
-
-def _check_explicit_checkpoint(ckpt_path: str) -> None:
-    """The quick check of an explicit ``ckpt_path`` folder, naming the last good checkpoint when it fails.
-
-    Raises:
-        ValueError: The folder is damaged (the message names the file and the newest intact sibling folder).
-    """
-    path = Path(ckpt_path)
-    try:
-        verify_dcp_checkpoint(path, weights_only=False, content=False)
-    except DamagedCheckpointError as err:
-        good = newest_intact_checkpoint(sibling_checkpoints(path), content=False)  # what `last` would take
-        fix = (f"the last good checkpoint is {str(good)!r}: resume from it (or pass `last`)" if good is not None
-               else "no intact checkpoint is left next to it; start without --ckpt_path")
-        raise ValueError(str(err.with_fix(fix))) from err
+    return latest_checkpoint(folder, on_skip=note)
 
 
 def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None) -> None:
@@ -113,7 +86,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
 
     Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
-    passes the quick check (:func:`_check_explicit_checkpoint`), that ``data.sources`` resolve and
+    passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that ``data.sources`` resolve and
     ``data.tokenizer`` loads, that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
@@ -153,7 +126,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
                     )
             section["ckpt_path"] = None if latest is None else str(latest)
         elif is_dcp_checkpoint(ckpt_path):
-            _check_explicit_checkpoint(ckpt_path)
+            check_explicit_checkpoint(ckpt_path)  # a DamagedCheckpointError is a ValueError: a usage error
         else:
             hint = "pass a checkpoint folder such as <default_root_dir>/checkpoints/step-000020, or `last`"
             latest = _latest_checkpoint(Path(ckpt_path)) if Path(ckpt_path).is_dir() else None
@@ -214,7 +187,7 @@ def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | 
         TypeError, ValueError, ImportError: from the plan, or the illegal shards.
     """
     # Imported here: a low-precision launch only: a bf16 run imports no lifecycle or plan module.
-    from lp_lightning.integration import illegal_shards_error, planned_shard_violations
+    from lp_lightning.fsdp.sharding import illegal_shards_error, planned_shard_violations
     from lp_lightning.models.adapter import adapter_for_config
     from lp_lightning.models.replacement import replacement_plan
 

@@ -111,7 +111,7 @@ def select_weight(weight: torch.Tensor, orientation: Orientation, *, who: str, n
     if not selects_low_precision_operand(weight):
         raise TypeError(
             f"{who}: {name} is a plain {type(weight).__name__} of shape {tuple(weight.shape)}, not a low-precision "
-            "weight; build it once after init with lp_lightning.integration.finalize_low_precision_weights "
+            "weight; build it once after init with lp_lightning.fsdp.weights.finalize_low_precision_weights "
             "(no high-precision fallback)."
         )
     operand = weight.select(orientation)

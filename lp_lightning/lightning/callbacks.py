@@ -1,7 +1,7 @@
 """Callbacks of the pretraining job: periodic DCP checkpoints, and the marker of ``fit``'s CPU thread default.
 
 ``PeriodicCheckpoint`` saves ``<dirpath>/step-000050/`` DCP folders (see
-:mod:`lp_lightning.distributed.checkpoint`) every ``every_n_steps`` optimizer steps and at the end
+:mod:`lp_lightning.checkpoint.dcp`) every ``every_n_steps`` optimizer steps and at the end
 of training. ``run_summary.json`` is written by
 :class:`~lp_lightning.telemetry.summary.RunSummaryCallback`.
 """
@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lp_lightning.distributed.finite import NonFiniteStateError
+from lp_lightning.checkpoint.finite import NonFiniteStateError
 
 __all__ = ["PeriodicCheckpoint", "checkpoint_dirname"]
 
@@ -102,7 +102,7 @@ class PeriodicCheckpoint(Checkpoint):
         is the last checkpoint on disk, and the message says which step that is.
 
         When the non-finite guard stopped the run
-        (:class:`~lp_lightning.distributed.finite.NonFiniteStateError`), nothing is saved and the
+        (:class:`~lp_lightning.checkpoint.finite.NonFiniteStateError`), nothing is saved and the
         error is told :attr:`last_checkpoint`, the resume point.
         """
         if isinstance(exception, NonFiniteStateError) and exception.resume_checkpoint is None:

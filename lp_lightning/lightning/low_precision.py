@@ -2,14 +2,19 @@
 
 Chosen by :func:`~lp_lightning.lightning.precision.precision_plugin` for ``mxfp8`` / ``hif8``; this
 module imports the low-precision stack, which a ``bf16`` run never loads. Lifecycle (design spec
-§12.1; the strategies call these in this order, see :mod:`lp_lightning.distributed.fsdp`)::
+§12.1; the strategies call these in this order, see :mod:`lp_lightning.fsdp.parallelize`)::
 
     startup_gate(device_type)    # the backend gate: its choice becomes the policy's backend
     configure_sharding(reshard_after_forward=..., activation_checkpoint=...)   # the gather policy
     convert_module(model)        # replacement_plan on the META twin, plan.apply, FP32 masters (unbuilt)
-    ... strategy: FP32 upcast -> fully_shard -> refresh (note_startup_refresh) -> recompute ...
+    ... strategy: parallelize_causal_lm(..., lifecycle=plugin.lifecycle): FP32 upcast -> placements
+        -> fully_shard -> refresh -> recompute ...
     optimizer_step(...)          # closure, finite check, optimizer.step(), ONE refresh of every weight
     rebuild_after_load(model)    # after a DCP load restored the FP32 masters: ONE refresh
+
+The FSDP2 side of each step (gather policy, finalize, placements, refreshes and their counts) is
+the plugin's :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle` (``lifecycle``); the
+plugin converts modules and wraps the optimizer step.
 
 The precision choice travels as data: ``--precision`` -> :class:`~lp_lightning.policy.LowPrecisionConfig`
 -> :class:`~lp_lightning.policy.LowPrecisionPolicy` (format, scaling, backend) -> the factories build
@@ -20,14 +25,14 @@ recipe's backend (docs/architecture.md "The path of one GEMM").
 from __future__ import annotations
 
 import logging
+
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from typing_extensions import override
 
-from lp_lightning import integration  # called through the package: the lifecycle's one namespace
-from lp_lightning.integration import GatherPolicy
+from lp_lightning.fsdp.lifecycle import LowPrecisionLifecycle
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import (
     BackendChoice,
@@ -43,33 +48,9 @@ from lp_lightning.ops.gate import StartupGateResult
 from lp_lightning.plan import ModuleReplacementPlan, ReplacementReport
 from lp_lightning.policy import LowPrecisionConfig
 
-__all__ = ["LowPrecisionFabricPlugin", "LowPrecisionPlugin", "WeightRefresher"]
+__all__ = ["LowPrecisionFabricPlugin", "LowPrecisionPlugin"]
 
 log = logging.getLogger(__name__)
-
-
-class WeightRefresher:
-    """One refresh of every low-precision weight from its FP32 master (design spec §10, §11).
-
-    Attributes:
-        counts: Refresh calls by reason: ``"startup"`` (the strategy's, after ``fully_shard``),
-            ``"step"`` (per applied optimizer step), ``"resume"`` (after a checkpoint load); each
-            call rebuilds every weight once.
-    """
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {"startup": 0, "step": 0, "resume": 0}
-
-    def after_step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Refreshes the weights among ``params``; returns each weight's master amax (the guard reads it)."""
-        amax = integration.refresh_low_precision_weights(params).master_amax
-        self.counts["step"] += 1
-        return amax
-
-    def after_load(self, causal_lm: nn.Module) -> None:
-        """Refreshes every weight of ``causal_lm`` after a DCP load (collective: HiF8 MAX-reduces its amax)."""
-        integration.refresh_low_precision_weights(causal_lm.parameters())
-        self.counts["resume"] += 1
 
 
 class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
@@ -89,7 +70,8 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
     Attributes:
         policy: The run's policy; its ``backend`` is the startup gate's choice once the gate ran
             (before: the ``backend`` setting, ``"auto"`` resolving by the device).
-        refresher: The :class:`WeightRefresher`.
+        lifecycle: The run's :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle` (gather policy,
+            finalize, placements, refreshes); the strategy hands it to ``parallelize_causal_lm``.
         replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module`.
         low_precision_weights: FQNs of the parameters turned into low-precision weights.
 
@@ -119,10 +101,9 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
         self.low_precision_config = LowPrecisionConfig.from_precision(precision)
         self.policy = self.low_precision_config.to_policy(backend=backend)
         self.plan_rules = plan_rules
-        self.refresher = WeightRefresher()
+        self.lifecycle: LowPrecisionLifecycle = LowPrecisionLifecycle()
         self._report: ReplacementReport | None = None
         self._weights: tuple[str, ...] = ()
-        self._gather_policy: GatherPolicy | None = None  # set by configure_sharding
         self._device: torch.device | None = None
 
     # -- what the run reports ----------------------------------------------------------------------
@@ -143,7 +124,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
 
     @property
     def refreshes(self) -> dict[str, int]:
-        return self.refresher.counts
+        return self.lifecycle.refreshes
 
     # -- the strategy's hooks ----------------------------------------------------------------------
     @override
@@ -174,7 +155,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
                 "configure_sharding must run before convert_module: the MXFP8 gather policy is fixed when the "
                 "low-precision weights are finalized."
             )
-        self._gather_policy = integration.gather_policy_for(
+        self.lifecycle.configure(
             reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint  # type: ignore[arg-type]
         )
 
@@ -205,7 +186,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
         adapter = adapter_for(module)
         causal_lm = adapter.causal_lm(module)
         if self._report is not None:
-            if any(True for _ in integration.iter_low_precision_weights(causal_lm)):
+            if self.lifecycle.holds_weights(causal_lm):
                 raise RuntimeError(
                     f"{type(self).__name__}.convert_module ran twice on {type(causal_lm).__name__}: it is already "
                     "converted; pass the converted model on, do not convert it again."
@@ -216,14 +197,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
                 f"{type(causal_lm).__name__}."
             )
         report = self.compile_plan(adapter.build_meta_twin(causal_lm)).apply(causal_lm)
-        sharded_later = self._gather_policy is not None
-        records = integration.finalize_low_precision_weights(
-            causal_lm,
-            recipe=self.policy,
-            gather_policy=self._gather_policy if sharded_later else GatherPolicy(),
-            master_dtype=torch.float32,
-            build=not sharded_later,
-        )
+        records = self.lifecycle.finalize(causal_lm, recipe=self.policy)
         self._report, self._weights = report, tuple(r.fqn for r in records)
         self._device = next(causal_lm.parameters()).device
         log.info("%s\n%d low-precision weights finalized (FP32 masters)", report.format(), len(records))
@@ -235,17 +209,13 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
         return module
 
     @override
-    def note_startup_refresh(self) -> None:
-        self.refresher.counts["startup"] += 1
-
-    @override
     def rebuild_after_load(self, module: nn.Module) -> None:
         """Rebuilds every low-precision weight from the FP32 masters a DCP load restored (design spec §11)."""
-        self.refresher.after_load(adapter_for(module).causal_lm(module))
+        self.lifecycle.after_load(adapter_for(module).causal_lm(module))
 
     @override
     def _after_applied_step(self, params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return self.refresher.after_step(params)
+        return self.lifecycle.after_step(params)
 
 
 class LowPrecisionPlugin(TrainerStep, Precision, LowPrecisionFabricPlugin):

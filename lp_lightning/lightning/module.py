@@ -37,7 +37,7 @@ from torch import nn
 from typing_extensions import override
 
 from lp_lightning.config import ActivationCheckpointMode, check_activation_checkpoint
-from lp_lightning.distributed.fsdp import clip_gradients_, total_grad_norm
+from lp_lightning.fsdp.parallelize import clip_gradients_, total_grad_norm
 
 __all__ = ["DeepSeekV3LM", "warmup_cosine_factor"]
 
@@ -234,9 +234,9 @@ class DeepSeekV3LM(pl.LightningModule):
         """Logs the total gradient norm over all ranks, then clips (``trainer.gradient_clip_val``).
 
         The norm of FSDP2's sharded DTensor gradients is reduced across ranks
-        (:func:`~lp_lightning.distributed.fsdp.total_grad_norm`); clipping by norm scales every
+        (:func:`~lp_lightning.fsdp.parallelize.total_grad_norm`); clipping by norm scales every
         local shard by the same global factor, clipping by value is element-wise
-        (:func:`~lp_lightning.distributed.fsdp.clip_gradients_`, per device mesh).
+        (:func:`~lp_lightning.fsdp.parallelize.clip_gradients_`, per device mesh).
         """
         params = [p for p in self._require_model().parameters() if p.grad is not None]
         total = total_grad_norm(params)

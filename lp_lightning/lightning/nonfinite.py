@@ -6,13 +6,13 @@ after every applied step. The guard (docs/architecture.md, "The non-finite guard
 checkpoints"):
 
 * diagnoses a skipped step with one fused check over all ranks
-  (:func:`~lp_lightning.distributed.finite.first_nonfinite`): its reason is
+  (:func:`~lp_lightning.checkpoint.finite.first_nonfinite`): its reason is
   ``"non-finite master weight"`` when a master holds NaN/Inf, else ``"non-finite gradient"`` with
   the first parameter whose gradient does, else ``"gradient norm overflow"`` (every gradient
   finite, their FP32 norm is not); each is logged once and kept in :attr:`NonFiniteGuard.events`;
 * checks the masters after every applied step: the low-precision weights through the amax their
   refresh computed (``RefreshReport.master_amax``), the plain parameters directly;
-* stops the run with :class:`~lp_lightning.distributed.finite.NonFiniteStateError` (every rank
+* stops the run with :class:`~lp_lightning.checkpoint.finite.NonFiniteStateError` (every rank
   alike: the decisions come from reduced values) when ``max_consecutive_skips`` steps in a row were
   skipped (``0``: never for this reason), and at once when a master holds NaN/Inf: a skipped step
   leaves it as it is and an AdamW step keeps a NaN/Inf, so the run cannot recover.
@@ -24,14 +24,14 @@ checkpoint of that step is attempted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from lp_lightning.distributed.finite import NonFiniteStateError, first_nonfinite
+from lp_lightning.checkpoint.finite import NonFiniteStateError, first_nonfinite
 
 __all__ = [
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",
@@ -49,6 +49,11 @@ DEFAULT_MAX_CONSECUTIVE_SKIPS = 3
 NONFINITE_MASTER = "non-finite master weight"
 NONFINITE_GRADIENT = "non-finite gradient"
 NORM_OVERFLOW = "gradient norm overflow"
+
+
+LocalWeight = Callable[[torch.Tensor], Any]
+"""A parameter's local low-precision weight (``.fqn``, ``.master``) or ``None`` for a plain one: the low-precision
+plugin's ``lifecycle.local_weight``; a bf16 run passes no such function."""
 
 
 class NonFiniteGuard:
@@ -90,36 +95,35 @@ class NonFiniteGuard:
         return self._names.get(id(param)) or f"parameter {index} {tuple(param.shape)}"
 
     def _masters(
-        self, params: list[torch.Tensor], *, low_precision: bool, refreshed_amax: Sequence[torch.Tensor] = ()
+        self, params: list[torch.Tensor], *, local_weight: LocalWeight | None, refreshed_amax: Sequence[torch.Tensor] = ()
     ) -> list[tuple[str, torch.Tensor]]:
         """``(fqn, master or its amax)`` per parameter, in optimizer order (see ``first_nonfinite``).
 
         A low-precision weight contributes its FP32 master (its Parameter dispatches to the 8-bit
         storage), or its refresh's amax when ``refreshed_amax`` is given (one per weight, in order).
         """
-        if not low_precision:
+        if local_weight is None:
             return [(self._name(i, p), p) for i, p in enumerate(params)]
-        # Imported here: low precision only: a bf16 run imports no lifecycle module.
-        from lp_lightning.integration import local_low_precision_weight
-
         amaxes = iter(refreshed_amax)
         named = []
         for i, p in enumerate(params):
-            local = local_low_precision_weight(p)
+            local = local_weight(p)
             if local is None:
                 named.append((self._name(i, p), p))
             else:
                 named.append((local.fqn, next(amaxes) if refreshed_amax else local.master))
         return named
 
-    def skipped(self, params: list[torch.Tensor], *, step: int, norm: float, low_precision: bool) -> None:
+    def skipped(
+        self, params: list[torch.Tensor], *, step: int, norm: float, local_weight: LocalWeight | None = None
+    ) -> None:
         """Records a step skipped for a NaN/Inf gradient norm (collective: every rank calls it).
 
         Raises:
             NonFiniteStateError: A master holds NaN/Inf, or the limit of skips in a row is reached.
         """
         self.consecutive_skips += 1
-        reason, fqn = NONFINITE_MASTER, first_nonfinite(self._masters(params, low_precision=low_precision))
+        reason, fqn = NONFINITE_MASTER, first_nonfinite(self._masters(params, local_weight=local_weight))
         if fqn is None:
             fqn = first_nonfinite([(self._name(i, p), p.grad) for i, p in enumerate(params) if p.grad is not None])
             reason = NONFINITE_GRADIENT if fqn is not None else NORM_OVERFLOW
@@ -133,7 +137,12 @@ class NonFiniteGuard:
             self._raise_stop(reason, fqn, step)
 
     def applied(
-        self, params: list[torch.Tensor], *, step: int, low_precision: bool, refreshed_amax: Sequence[torch.Tensor] = ()
+        self,
+        params: list[torch.Tensor],
+        *,
+        step: int,
+        local_weight: LocalWeight | None = None,
+        refreshed_amax: Sequence[torch.Tensor] = (),
     ) -> None:
         """Checks the masters after an applied step (collective).
 
@@ -141,7 +150,7 @@ class NonFiniteGuard:
             NonFiniteStateError: A master holds NaN/Inf.
         """
         self.consecutive_skips = 0
-        fqn = first_nonfinite(self._masters(params, low_precision=low_precision, refreshed_amax=refreshed_amax))
+        fqn = first_nonfinite(self._masters(params, local_weight=local_weight, refreshed_amax=refreshed_amax))
         if fqn is not None:
             self._raise_stop(NONFINITE_MASTER, fqn, step)
 

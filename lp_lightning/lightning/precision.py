@@ -15,7 +15,9 @@ precision: the replacement plan, FP32 masters) and the checked optimizer step. T
 are their own objects, read by the callbacks as typed attributes: :class:`StepCounters`
 (:attr:`~FSDP2PrecisionPlugin.counters`), :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`
 (:attr:`~FSDP2PrecisionPlugin.guard`), :class:`BackendGate` (:attr:`~FSDP2PrecisionPlugin.gate`) and,
-in low precision, the ``WeightRefresher``.
+in low precision, the FSDP2 lifecycle (:attr:`~FSDP2PrecisionPlugin.lifecycle`, a
+:class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle`) that the strategy hands to
+``parallelize_causal_lm``.
 
 Skipped steps. With ``skip_nonfinite_steps=True`` (default, all precisions) the plugin computes the
 total gradient norm over the optimizer's parameters after the training closure (after Lightning's
@@ -49,11 +51,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lp_lightning.config import check_activation_checkpoint
-from lp_lightning.distributed.fsdp import default_mixed_precision_policy, total_grad_norm
+from lp_lightning.fsdp.parallelize import default_mixed_precision_policy, total_grad_norm
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
 from lp_lightning.policy import LowPrecisionPolicy, PrecisionName
 
 if TYPE_CHECKING:
+    from lp_lightning.fsdp.lifecycle import LowPrecisionLifecycle
     from lp_lightning.ops.gate import StartupGateResult
     from lp_lightning.plan import ReplacementReport
 
@@ -179,6 +182,8 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         counters: The :class:`StepCounters`.
         guard: The :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`.
         gate: The :class:`BackendGate`.
+        lifecycle: The low-precision FSDP2 lifecycle the strategy passes to ``parallelize_causal_lm``
+            (a :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle`); ``None`` in ``bf16``.
 
     Raises:
         ValueError: ``backend`` or ``max_consecutive_skips`` is invalid; TypeError: ``skip_nonfinite_steps``
@@ -202,6 +207,7 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         self.guard = NonFiniteGuard(max_consecutive_skips)
         self.counters = StepCounters()
         self.policy: LowPrecisionPolicy = LowPrecisionPolicy.disabled()
+        self.lifecycle: LowPrecisionLifecycle | None = None
 
     # -- what the run reports (typed, read by the callbacks) ---------------------------------------
     @property
@@ -279,9 +285,6 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         """Returns ``module`` untouched: ``bf16`` replaces nothing (design spec §13.1, R3)."""
         return module
 
-    def note_startup_refresh(self) -> None:
-        """Counts the refresh the strategy runs after ``fully_shard`` (none in ``bf16``)."""
-
     def rebuild_after_load(self, module: nn.Module) -> None:
         """Rebuilds the low-precision weights after a DCP load restored the FP32 masters (none in ``bf16``)."""
 
@@ -298,7 +301,8 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         """
         params = [p for group in optimizer.param_groups for p in group["params"]]
         with_grad = [p for p in params if p.grad is not None]
-        counters, low_precision = self.counters, self.policy.enabled
+        counters = self.counters
+        local_weight = None if self.lifecycle is None else self.lifecycle.local_weight
         if not with_grad:
             counters.last_applied = False
             return None
@@ -307,13 +311,13 @@ class FSDP2PrecisionPlugin(FabricPrecision):
             if not bool(torch.isfinite(norm)):
                 counters.skipped += 1
                 counters.last_applied = False
-                self.guard.skipped(params, step=counters.index, norm=float(norm), low_precision=low_precision)
+                self.guard.skipped(params, step=counters.index, norm=float(norm), local_weight=local_weight)
                 return None
         out = optimizer.step(**kwargs)
         counters.applied += 1
         counters.last_applied = True
         refreshed_amax = self._after_applied_step(params)
-        self.guard.applied(params, step=counters.index, low_precision=low_precision, refreshed_amax=refreshed_amax)
+        self.guard.applied(params, step=counters.index, local_weight=local_weight, refreshed_amax=refreshed_amax)
         return out
 
     @override

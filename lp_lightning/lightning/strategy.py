@@ -7,7 +7,7 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   N-process runs share the code path); building a strategy registers the ``"npu"`` accelerator
   when torch_npu is importable (:mod:`lp_lightning.lightning.accelerator`);
 * a 1-D ``("dp_shard",)`` device mesh of ``fsdp_config.dp_shard_size`` ranks (= world size);
-* :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` in the order of design spec §12.1: the
+* :func:`~lp_lightning.fsdp.parallelize.parallelize_causal_lm` in the order of design spec §12.1: the
   precision plugin's ``configure_sharding`` and ``convert_module`` (replacement plan compiled on a
   meta twin and applied, low-precision weights finalized with FP32 masters) -> FP32 upcast (master
   shards) -> placements (Shard(0), Shard(1) or ``fsdp_config.fallback_to_unsharded``) -> ``fully_shard``
@@ -20,10 +20,10 @@ Hugging Face causal LM instead of leaving ``fully_shard`` to the user's ``config
   masters (design spec §11); each applied optimizer step refreshes them once (the plugin's
   ``optimizer_step``);
 * DCP checkpoints whose model keys are the HF names and whose optimizer view is keyed by the
-  same names (:mod:`lp_lightning.distributed.checkpoint`);
+  same names (:mod:`lp_lightning.checkpoint.dcp`);
 * the optimizer must be ``torch.optim.AdamW`` over the FP32 masters with FP32 moments, checked when
   the Trainer creates it (``configure_optimizers``) and when ``fabric.setup_optimizers`` receives it
-  (:func:`~lp_lightning.distributed.optimizer.check_optimizer`, design spec §15);
+  (:func:`~lp_lightning.fsdp.optimizer.check_optimizer`, design spec §15);
 * stage events (:func:`lp_lightning.observers.stage`) on entering, or failing in, the startup gate,
   ``configure_model`` (``model_build``), ``convert_module`` (``plan_apply``), the sharding that
   follows (``fully_shard``), the optimizer check and each training step: what ``lp-lightning st``
@@ -75,26 +75,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lp_lightning.config import ActivationCheckpointMode, FSDP2Config, check_activation_checkpoint
-from lp_lightning.distributed.checkpoint import (
-    DamagedCheckpointError,
-    load_dcp_checkpoint,
-    model_state_dict,
-    newest_intact_checkpoint,
-    older_checkpoints,
-    optimizer_state_dict,
-    save_dcp_checkpoint,
-    sibling_checkpoints,
-)
-from lp_lightning.distributed.fsdp import (
+from lp_lightning.checkpoint.dcp import load_dcp_checkpoint, model_state_dict, optimizer_state_dict, save_dcp_checkpoint
+from lp_lightning.checkpoint.integrity import DamagedCheckpointError
+from lp_lightning.checkpoint.resume import load_with_fallback
+from lp_lightning.fsdp.parallelize import (
     ParallelizationRecord,
     build_dp_mesh,
     is_parallelized,
     parallelize_causal_lm,
     process_group_backend_for,
 )
-from lp_lightning.distributed.optimizer import check_optimizer
+from lp_lightning.fsdp.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.models.adapter import adapter_for
 from lp_lightning.observers import notify_collective, stage
 
 __all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
@@ -114,27 +108,17 @@ def _require_plugin(strategy_name: str, plugin: object) -> FSDP2PrecisionPlugin:
 
 
 def _resolve_causal_lm(module: nn.Module) -> nn.Module:
-    """The HF causal LM in ``module`` (the model itself or the LightningModule holding it at ``.model``).
-
-    Found by the model's adapter (:func:`~lp_lightning.models.adapter.adapter_for`), imported here
-    on first use so that importing the strategy does not import the model packages.
+    """The HF causal LM in ``module`` (the model itself or the LightningModule holding it at ``.model``),
+    found by the model's adapter (:func:`~lp_lightning.models.adapter.adapter_for`).
 
     Raises:
         TypeError: No model adapter describes ``module``, or it holds no causal LM.
     """
-    # Imported here: models loads its adapters on first use, not when the strategy is imported.
-    from lp_lightning.models.adapter import adapter_for
-
     return adapter_for(module).causal_lm(module)
 
 
-def _with_intact_fix(err: DamagedCheckpointError, path: Path) -> DamagedCheckpointError:
-    """``err`` whose fix names the newest intact checkpoint next to ``path`` — the one ``last`` would load, a newer
-    one included (collective search)."""
-    good = newest_intact_checkpoint(sibling_checkpoints(path), content=True)
-    if good is None:
-        return err.with_fix(f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path")
-    return err.with_fix(f"the last good checkpoint is {str(good)!r}: resume from it (or pass --ckpt_path last)")
+def _warn_skip(path: Path, err: DamagedCheckpointError) -> None:
+    rank_zero_warn(f"ckpt_path=last skips {str(path)!r} ({err.problem}); trying the previous one.")
 
 
 def _check_materialized(module: nn.Module) -> None:
@@ -149,20 +133,34 @@ def _check_materialized(module: nn.Module) -> None:
 class _FSDP2Common:
     """What :class:`FSDP2Strategy` and :class:`FSDP2FabricStrategy` share (listed first in their bases).
 
-    The ``"lp_fsdp2"`` registry alias, the FSDP2 config check, the process-group backend by device
-    type and the 1-D ``("dp_shard",)`` mesh with the sampler arguments read from it.
+    The ``"lp_fsdp2"`` registry alias, the constructor arguments (the same for both), the process-group
+    backend by device type, the 1-D ``("dp_shard",)`` mesh with the sampler arguments read from it, and
+    the parallelisation and checkpoint load both run.
     """
 
     strategy_name = "lp_fsdp2"
 
     fsdp_config: FSDP2Config
+    activation_checkpoint: ActivationCheckpointMode | None
+    resume_fallback: bool
     parallelization: ParallelizationRecord | None
     """What the last setup did (``None`` before setup)."""
 
-    def _init_fsdp2(self, fsdp_config: FSDP2Config | None) -> None:
+    def _init_fsdp2(
+        self, fsdp_config: FSDP2Config | None, activation_checkpoint: ActivationCheckpointMode | None,
+        resume_fallback: bool,
+    ) -> None:
         if fsdp_config is not None and not isinstance(fsdp_config, FSDP2Config):
             raise TypeError(f"fsdp_config must be an FSDP2Config, got {type(fsdp_config).__name__}.")
+        if not isinstance(resume_fallback, bool):
+            raise TypeError(f"resume_fallback must be a bool, got {resume_fallback!r}.")
         self.fsdp_config = fsdp_config or FSDP2Config()
+        self.activation_checkpoint = (
+            None if activation_checkpoint is None else check_activation_checkpoint(activation_checkpoint)
+        )
+        self.resume_fallback = resume_fallback
+        self.loaded_checkpoint: str | None = None
+        """The checkpoint folder the last ``load_checkpoint`` restored (after any fallback)."""
         self.parallelization = None
         register_npu_accelerator()  # before the Trainer/Fabric resolves accelerator="npu" (late torch_npu)
 
@@ -186,8 +184,6 @@ class _FSDP2Common:
     def _record_parallelization(self, record: ParallelizationRecord, causal_lm: nn.Module) -> None:
         """Keeps what setup did; names the sharded parameters for the non-finite guard; says (rank 0)
         which low-precision weights stay replicated."""
-        if "refresh_low_precision" in record.steps:
-            self.low_precision_plugin.note_startup_refresh()  # type: ignore[attr-defined]
         self.low_precision_plugin.guard.name_parameters(causal_lm)  # type: ignore[attr-defined]
         self.parallelization = record
         if record.input_dim_sharded:
@@ -206,6 +202,38 @@ class _FSDP2Common:
                 f"on every rank, gradients all-reduced; their GEMMs stay low precision):\n  {listed}{more}\n"
                 f"The full list is in run_summary.json under sharding.replicated_low_precision."
             )
+
+    def _parallelize_causal_lm(
+        self,
+        causal_lm: nn.Module,
+        mesh: DeviceMesh,
+        activation_checkpoint: ActivationCheckpointMode,
+        convert_module: Callable[[nn.Module], nn.Module] | None,
+    ) -> nn.Module:
+        """:func:`~lp_lightning.fsdp.parallelize.parallelize_causal_lm` with this strategy's settings, the
+        model's adapter and the plugin's lifecycle; records what it did. Returns the model to use."""
+        plugin = self.low_precision_plugin  # type: ignore[attr-defined]
+        parallel_lm, record = parallelize_causal_lm(
+            causal_lm,
+            mesh,
+            mp_policy=plugin.fsdp_mixed_precision_policy(),
+            reshard_after_forward=self.fsdp_config.reshard_after_forward,
+            activation_checkpoint=activation_checkpoint,
+            convert_module=convert_module,
+            adapter=adapter_for(causal_lm),
+            lifecycle=plugin.lifecycle,
+            fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
+            input_dim_sharding=self.fsdp_config.input_dim_sharding,
+        )
+        self._record_parallelization(record, parallel_lm)
+        return parallel_lm
+
+    def _load_with_fallback(self, path: Path, load: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+        """``load(folder)`` through :func:`~lp_lightning.checkpoint.resume.load_with_fallback` (``resume_fallback``);
+        keeps the folder it loaded in ``loaded_checkpoint``."""
+        metadata, loaded = load_with_fallback(path, load, fallback=self.resume_fallback, on_skip=_warn_skip)
+        self.loaded_checkpoint = str(loaded)
+        return metadata
 
     def _startup_gate(self) -> None:
         """The design spec §15 startup gate (hardware, torch_npu, ops; ``lp_lightning.ops.gate``), once,
@@ -230,6 +258,9 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
 
     Args:
         fsdp_config: Sharding configuration (design spec §4.3); ``None`` means ``FSDP2Config()``.
+        activation_checkpoint: ``"off"`` or ``"full"`` (per decoder layer); ``None``: the LightningModule's
+            ``activation_checkpoint`` attribute (``DeepSeekV3LM(activation_checkpoint=...)``), ``"off"`` when
+            it has none. Given both, they must agree.
         process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
         timeout: Process-group timeout.
         resume_fallback: When the checkpoint to resume from is damaged (a file that does not match
@@ -241,6 +272,8 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
     def __init__(
         self,
         fsdp_config: FSDP2Config | None = None,
+        *,
+        activation_checkpoint: ActivationCheckpointMode | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         resume_fallback: bool = False,
@@ -252,10 +285,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_fsdp2(fsdp_config)
-        self.resume_fallback = resume_fallback
-        self.loaded_checkpoint: str | None = None
-        """The checkpoint folder the last ``load_checkpoint`` restored (after any fallback)."""
+        self._init_fsdp2(fsdp_config, activation_checkpoint, resume_fallback)
 
     @property
     def low_precision_plugin(self) -> FSDP2PrecisionPlugin:
@@ -319,7 +349,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         causal_lm = self._causal_lm()
         if not is_parallelized(causal_lm):
             _check_materialized(causal_lm)
-            activation_checkpoint = getattr(lm, "activation_checkpoint", "off")
+            activation_checkpoint = self._activation_checkpoint_of(lm)
             plugin.configure_sharding(
                 reshard_after_forward=self.fsdp_config.reshard_after_forward,
                 activation_checkpoint=activation_checkpoint,
@@ -334,24 +364,32 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
                     sharding.enter_context(stage("fully_shard"))
                     return converted
 
-                parallel_lm, record = parallelize_causal_lm(
-                    causal_lm,
-                    self.device_mesh,
-                    mp_policy=plugin.fsdp_mixed_precision_policy(),
-                    reshard_after_forward=self.fsdp_config.reshard_after_forward,
-                    activation_checkpoint=activation_checkpoint,
-                    convert_module=convert_module,
-                    fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
-                    input_dim_sharding=self.fsdp_config.input_dim_sharding,
+                parallel_lm = self._parallelize_causal_lm(
+                    causal_lm, self.device_mesh, activation_checkpoint, convert_module
                 )
             if parallel_lm is not causal_lm:
                 lm.model = parallel_lm
-            self._record_parallelization(record, parallel_lm)
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _activation_checkpoint_of(self, lm: pl.LightningModule) -> ActivationCheckpointMode:
+        """This strategy's ``activation_checkpoint``, else the LightningModule's (``"off"`` when it declares none).
+
+        Raises:
+            ValueError: Both are set and differ.
+        """
+        declared = getattr(lm, "activation_checkpoint", None)  # an optional LightningModule attribute
+        if self.activation_checkpoint is None:
+            return check_activation_checkpoint(declared or "off")
+        if declared is not None and declared != self.activation_checkpoint:
+            raise ValueError(
+                f"{type(self).__name__}(activation_checkpoint={self.activation_checkpoint!r}) but "
+                f"{type(lm).__name__}.activation_checkpoint={declared!r}; set one of them (or both alike)."
+            )
+        return self.activation_checkpoint
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -427,7 +465,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         returned dict (``lightning_restore_optimizer`` is ``False``: the optimizer is restored here).
         Then the low-precision weights are rebuilt once from the restored FP32 masters (design spec §11;
         the checkpoint holds no derived data, so it may come from another precision). A damaged
-        checkpoint (:class:`~lp_lightning.distributed.checkpoint.DamagedCheckpointError`) is replaced
+        checkpoint (:class:`~lp_lightning.checkpoint.dcp.DamagedCheckpointError`) is replaced
         by the newest intact older one with ``resume_fallback``, else fails naming that one.
 
         Raises:
@@ -439,26 +477,13 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         if len(optimizers) > 1:
             raise ValueError(f"{type(self).__name__} checkpoints hold one optimizer; got {len(optimizers)}.")
         assert self.lightning_module is not None
-        candidates = [path, *(older_checkpoints(path) if self.resume_fallback else ())]
-        for index, candidate in enumerate(candidates):
-            try:
-                metadata = load_dcp_checkpoint(
-                    candidate,
-                    model=self._causal_lm(),
-                    optimizers={OPTIMIZER_CHECKPOINT_KEY: optimizers[0]} if optimizers else {},
-                    strict=self.lightning_module.strict_loading,
-                    weights_only=weights_only,
-                )
-                break
-            except DamagedCheckpointError as err:
-                if not self.resume_fallback:
-                    raise _with_intact_fix(err, path) from err
-                if index + 1 == len(candidates):
-                    raise err.with_fix(
-                        f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path"
-                    ) from err
-                rank_zero_warn(f"ckpt_path=last skips {str(candidate)!r} ({err.problem}); trying the previous one.")
-        self.loaded_checkpoint = str(candidate)
+        metadata = self._load_with_fallback(path, lambda folder: load_dcp_checkpoint(
+            folder,
+            model=self._causal_lm(),
+            optimizers={OPTIMIZER_CHECKPOINT_KEY: optimizers[0]} if optimizers else {},
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        ))
         self.low_precision_plugin.rebuild_after_load(self._causal_lm())
         return metadata
 
@@ -469,23 +494,26 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
     Fabric runs the plugin's ``convert_module`` itself, before ``setup_module`` (the right order;
     :meth:`setup_environment`, run by ``fabric.launch()``, first tells the plugin the sharding
     settings), so ``setup_module`` upcasts, shards, refreshes the low-precision shards and wraps.
-    The restore in :meth:`load_checkpoint` rebuilds the low-precision weights from the masters. Checkpoints (``fabric.save(path, state)``) put
+    The restore in :meth:`load_checkpoint` falls back to an older intact folder with ``resume_fallback``
+    and rebuilds the low-precision weights from the masters. Checkpoints (``fabric.save(path, state)``) put
     the single module's HF-keyed view at the top level, each optimizer under its state key and
     everything else in ``meta.pt``.
 
     Args:
         fsdp_config: Sharding configuration; ``None`` means ``FSDP2Config()``.
-        activation_checkpoint: ``"off"`` or ``"full"`` (per decoder layer).
-        process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
-        timeout: Process-group timeout.
+        activation_checkpoint: ``"off"`` or ``"full"`` (per decoder layer); ``None`` means ``"off"``
+            (there is no LightningModule to declare it).
+        process_group_backend, timeout, resume_fallback: As for :class:`FSDP2Strategy`.
     """
 
     def __init__(
         self,
         fsdp_config: FSDP2Config | None = None,
-        activation_checkpoint: ActivationCheckpointMode = "off",
+        *,
+        activation_checkpoint: ActivationCheckpointMode | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        resume_fallback: bool = False,
     ) -> None:
         super().__init__(
             parallelize_fn=self._parallelize,
@@ -495,8 +523,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_fsdp2(fsdp_config)
-        self.activation_checkpoint = check_activation_checkpoint(activation_checkpoint)
+        self._init_fsdp2(fsdp_config, activation_checkpoint, resume_fallback)
 
     @property
     def low_precision_plugin(self) -> FSDP2PrecisionPlugin:
@@ -511,29 +538,18 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
         # Fabric converts in setup_module, after launch: the plugin learns the sharding now.
         plugin.configure_sharding(
             reshard_after_forward=self.fsdp_config.reshard_after_forward,
-            activation_checkpoint=self.activation_checkpoint,
+            activation_checkpoint=self.activation_checkpoint or "off",
         )
         FabricParallelStrategy.setup_environment(self)
         self._setup_distributed()
         self._build_dp_shard_mesh()
 
     def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        plugin = self.low_precision_plugin
         causal_lm = _resolve_causal_lm(module)
         _check_materialized(causal_lm)
-        with stage("fully_shard"):
-            parallel_lm, record = parallelize_causal_lm(
-                causal_lm,
-                mesh,
-                mp_policy=plugin.fsdp_mixed_precision_policy(),
-                reshard_after_forward=self.fsdp_config.reshard_after_forward,
-                activation_checkpoint=self.activation_checkpoint,
-                convert_module=None,  # Fabric already ran precision.convert_module
-                fallback_to_unsharded=self.fsdp_config.fallback_to_unsharded,
-                input_dim_sharding=self.fsdp_config.input_dim_sharding,
-            )
+        with stage("fully_shard"):  # Fabric already ran precision.convert_module
+            parallel_lm = self._parallelize_causal_lm(causal_lm, mesh, self.activation_checkpoint or "off", None)
         assert parallel_lm is causal_lm
-        self._record_parallelization(record, causal_lm)
         return module
 
     @override
@@ -618,8 +634,9 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
 
         Raises:
             ValueError: ``state`` is not a dict holding exactly one module.
-            DamagedCheckpointError: A file does not match its digest, or NaN/Inf was read; the
-                message names the file and the newest intact checkpoint written before it.
+            DamagedCheckpointError: A file does not match its digest, or NaN/Inf was read (with
+                ``resume_fallback``: in every older folder too); the message names the file and the
+                newest intact checkpoint.
             KeyError: ``strict`` and a requested metadata entry is missing from the checkpoint.
         """
         if not isinstance(state, dict):
@@ -629,13 +646,9 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             )
         path = Path(self.broadcast(path))
         _, module, optimizers, rest = self._split_state(state)
-        try:
-            metadata = load_dcp_checkpoint(
-                path, model=_resolve_causal_lm(module), optimizers=optimizers, strict=strict,
-                weights_only=weights_only,
-            )
-        except DamagedCheckpointError as err:
-            raise _with_intact_fix(err, path) from err
+        metadata = self._load_with_fallback(path, lambda folder: load_dcp_checkpoint(
+            folder, model=_resolve_causal_lm(module), optimizers=optimizers, strict=strict, weights_only=weights_only,
+        ))
         self.low_precision_plugin.rebuild_after_load(module)
         missing = [k for k in rest if k not in metadata]
         if strict and missing:

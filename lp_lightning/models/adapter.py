@@ -1,7 +1,7 @@
 """What the generic layers need to know about a model, provided by its package (design spec §2, §6).
 
 The replacement plan (:mod:`lp_lightning.plan`), the FSDP2 application
-(:mod:`lp_lightning.distributed.fsdp`) and the precision plugin know no model. A model package
+(:mod:`lp_lightning.fsdp.parallelize`) and the precision plugin know no model. A model package
 describes its model with a :class:`ModelAdapter` (pure data and structure lookups; it imports no
 low-precision type) and registers it; the generic layers find it with :func:`adapter_for`::
 

@@ -14,7 +14,7 @@ exact ``nn.Linear`` targets (MLA projections, the dense MLP, shared experts; see
   GRAD_OUTPUT × WEIGHT_BWD, wgrad GRAD_OUTPUT × INPUT_BWD, all low precision).
 
 The weight the GEMMs read is the persistent low-precision weight derived from the FP32 master
-(``lp_lightning.integration.finalize_low_precision_weights``, which finds it through the class
+(``lp_lightning.fsdp.weights.finalize_low_precision_weights``, which finds it through the class
 attributes ``low_precision_weight_names``/``low_precision_weight_kind``), installed once after the
 plan is applied (design spec §7.2–7.3); until then ``forward`` raises ``TypeError`` naming the module's
 FQN — there is no high-precision fallback.
@@ -102,7 +102,7 @@ class LowPrecisionLinear(nn.Linear):
         recipe: The ``LowPrecisionRecipe`` of ``policy.format`` (per-role quantizers).
         fqn: The module's fully qualified name in the model (for messages and reports).
         low_precision_weight_names: Class attribute ``("weight",)``: the parameter that
-            ``lp_lightning.integration.finalize_low_precision_weights`` turns into a persistent
+            ``lp_lightning.fsdp.weights.finalize_low_precision_weights`` turns into a persistent
             low-precision weight (``low_precision_weight_kind = "dense"``: GEMM view ``[N, K]``).
     """
 
@@ -169,7 +169,7 @@ class LowPrecisionLinear(nn.Linear):
             raise TypeError(
                 f"LowPrecisionLinear {self.fqn!r}: weight is still the plain high-precision Parameter "
                 f"{tuple(self.weight.shape)}; build the {self.recipe.format.name} weight after applying the plan "
-                "with lp_lightning.integration.finalize_low_precision_weights."
+                "with lp_lightning.fsdp.weights.finalize_low_precision_weights."
             )
         return low_precision_linear(input, self.weight, self.bias, recipe=self.recipe)
 

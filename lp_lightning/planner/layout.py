@@ -1,6 +1,6 @@
 """The FSDP2 layout of a run, read off the meta model: units, per-parameter placement, bytes (``lp-lightning plan``).
 
-What :func:`~lp_lightning.distributed.fsdp.parallelize_causal_lm` would build, derived without
+What :func:`~lp_lightning.fsdp.parallelize.parallelize_causal_lm` would build, derived without
 allocating anything (design spec §12.1 build order):
 
 - the model is built on the meta device by its adapter (``adapter_for_config(spec).build_meta_model``)
@@ -8,7 +8,7 @@ allocating anything (design spec §12.1 build order):
   (``models.replacement.replacement_plan``), as
   ``lp-lightning fit`` does at launch;
 - every low-precision weight gets its placement from the shard rules of design spec §9.1
-  (:func:`~lp_lightning.integration.planned_placements` / ``planned_sharding``): ``Shard(0)``,
+  (:func:`~lp_lightning.fsdp.sharding.planned_placements` / ``planned_sharding``): ``Shard(0)``,
   ``Shard(1)`` or, with ``fallback_to_unsharded``, replicated;
 - the ``fully_shard`` units, innermost first: the replicated fallback modules (a ``(W, 1)`` mesh: a
   shard group of one rank), the model adapter's FP32-compute modules (the MoE routers, gathered in
@@ -32,16 +32,10 @@ import torch
 from torch import nn
 
 from lp_lightning.config import check_activation_checkpoint
-from lp_lightning.distributed.fsdp import default_mixed_precision_policy
+from lp_lightning.fsdp.parallelize import default_mixed_precision_policy
 from lp_lightning.formats.spec import FormatSpec, as_spec
-from lp_lightning.integration import (
-    LowPrecisionShardingPlan,
-    WeightPlacement,
-    gather_layout,
-    gather_policy_for,
-    planned_placements,
-    planned_sharding,
-)
+from lp_lightning.fsdp.gather import gather_layout
+from lp_lightning.fsdp.sharding import LowPrecisionShardingPlan, WeightPlacement, gather_policy_for, planned_placements, planned_sharding
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS
 from lp_lightning.models.adapter import adapter_for, adapter_for_config, registered_specs
 from lp_lightning.models.replacement import replacement_plan

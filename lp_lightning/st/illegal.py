@@ -21,7 +21,7 @@ Stages, in run order (how this repository realises §15's "stage" column; docs/d
 ``plan_compile``           the plan compiled and applied on the built model (the precision plugin's
                            ``convert_module``), before any ``fully_shard``
 ``sharding``               the strategy shards the converted model (FP32 upcast, placements, ``fully_shard``)
-``optimizer_construction`` the optimizer check (``lp_lightning.distributed.optimizer.check_optimizer``)
+``optimizer_construction`` the optimizer check (``lp_lightning.fsdp.optimizer.check_optimizer``)
 ``training``               a training step ran (an illegal config must never get here)
 ``completed``              the run exited with status 0
 =========================  =====================================================================

@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys, is_dcp_checkpoint
+from lp_lightning.checkpoint.dcp import checkpoint_tensor_keys, is_dcp_checkpoint
 from lp_lightning.st.cases import CASES, FSDP_ROWS, STSettings
 from lp_lightning.st.rows_fsdp import (
     accumulation_refresh_row,

@@ -109,7 +109,7 @@ def gather_orientation_row(runs: dict[str, RunResult], settings: STSettings, res
     row.notes.append(
         "With reshard_after_forward=true a backward gather carries the dgrad orientation only (dense col, grouped "
         "row): §9.1 lists row+col for backward because it counts wgrad, which reads no weight "
-        "(lp_lightning.integration.GatherPolicy)."
+        "(lp_lightning.fsdp.gather.GatherPolicy)."
     )
     return row
 

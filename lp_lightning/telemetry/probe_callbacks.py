@@ -2,7 +2,7 @@
 
 Each probe is a Lightning ``Callback`` that observes through the public event hooks
 (``lp_lightning.ops.add_gemm_observer`` / ``add_quantize_observer``,
-``lp_lightning.integration.add_gather_observer``, ``lp_lightning.tensor.add_refresh_observer``) and
+``lp_lightning.fsdp.gather.add_gather_observer``, ``lp_lightning.tensor.add_refresh_observer``) and
 Lightning's hooks. None replaces, quantises, gathers or refreshes anything: tensors are read
 (an amax, a SHA-1, a histogram) only on *sampled* steps. A bf16 run registers no observer and
 imports nothing low-precision (the modules are looked up only when the precision plugin's policy
@@ -264,9 +264,9 @@ class GatherTraceProbe(ProbeCallback):
         self._per_step: list[dict[str, int]] = []
         self._events: list[dict[str, Any]] = []
         self._pre = self._post = 0
-        integration = self._module("lp_lightning.integration")
-        if integration is not None:
-            self._keep(integration.add_gather_observer(self._observe))
+        gather = self._module("lp_lightning.fsdp.gather")
+        if gather is not None:
+            self._keep(gather.add_gather_observer(self._observe))
 
     def _observe(self, event: Any) -> None:
         if not self.in_step:

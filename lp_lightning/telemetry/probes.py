@@ -33,7 +33,7 @@ LM head): a positive control that the probe sees GEMMs at all. Codec kernels run
 probe is active (``set_compiled_kernels(False)``; bit-identical by contract), because
 ``torch.compile`` does not trace under a Python dispatch mode.
 
-**Refreshes** (:class:`RefreshCounter`): ``lp_lightning.integration.RefreshRecorder``
+**Refreshes** (:class:`RefreshCounter`): ``lp_lightning.fsdp.refresh.RefreshRecorder``
 counts every storage build of every low-precision weight; the counter splits them per optimizer
 step (and reports the largest number of builds of one weight in one step, which must be 1).
 
@@ -41,7 +41,7 @@ step (and reports the largest number of builds of one weight in one step, which 
 
 - per low-precision weight gather: FSDP2 calls the weight's pre-all-gather hook on the local
   shard right before it copies the all-gather inputs in; the lifecycle layer reports each call to
-  its public gather observers (``lp_lightning.integration.add_gather_observer``), and the
+  its public gather observers (``lp_lightning.fsdp.gather.add_gather_observer``), and the
   recorder records the parameter FQN, phase (forward/backward), orientations and the physical
   tensors (dtype, shape, bytes). It never touches their contents.
 - per collective: the recorder observes :func:`lp_lightning.observers.add_collective_observer`
@@ -64,9 +64,9 @@ step (and reports the largest number of builds of one weight in one step, which 
   all-reduce hook :func:`observe_fsdp_collectives` sets with ``FSDPModule.set_all_reduce_hook`` on
   the units with a 2-D mesh; the hook sees the all-reduced buffer itself), and the product's own
   all-reduces, each reported where it is issued: the HiF8 amax MAX-reduce
-  (``integration.refresh``), the non-finite flags (``distributed.finite.first_nonfinite``) and the
+  (``fsdp.refresh``), the non-finite flags (``checkpoint.finite.first_nonfinite``) and the
   strategy's ``reduce`` (the per-step loss mean). The gradient-norm reduction of
-  ``distributed.fsdp.total_grad_norm`` is a DTensor ``full_tensor()`` (a functional collective)
+  ``fsdp.parallelize.total_grad_norm`` is a DTensor ``full_tensor()`` (a functional collective)
   and is not counted (it never was).
 
 Bytes are *this rank's collective inputs* (an all-gather moves ``W`` times that into every rank).
@@ -344,7 +344,7 @@ class RefreshCounter:
     """
 
     def __init__(self) -> None:
-        from lp_lightning.integration import RefreshRecorder  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
+        from lp_lightning.fsdp.refresh import RefreshRecorder  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
 
         self._recorder = RefreshRecorder()
         self._seen = 0
@@ -621,7 +621,7 @@ class WireRecorder:
         if model is not None:
             observe_fsdp_collectives(model)
 
-        gather = sys.modules.get("lp_lightning.integration.gather")
+        gather = sys.modules.get("lp_lightning.fsdp.gather")
         if gather is not None:  # the public gather observers (loaded whenever a weight can be gathered)
             handle = gather.add_gather_observer(self._on_weight_gather)
             self._stack.callback(handle.remove)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lp_lightning.distributed.finite import NonFiniteStateError
+from lp_lightning.checkpoint.finite import NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV, PeriodicCheckpoint
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
 from lp_lightning.telemetry.probes import (

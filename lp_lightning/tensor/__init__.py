@@ -4,7 +4,7 @@
   dispatch, ``refresh_from_master``) and ``GatheredWeightTensor`` (the all-gathered compute copy);
 - :mod:`~lp_lightning.tensor.storage` — the storage declaration and the refresh observers.
 
-The FSDP2/optimizer/DCP lifecycle of these tensors is :mod:`lp_lightning.integration`.
+The FSDP2/optimizer/DCP lifecycle of these tensors is :mod:`lp_lightning.fsdp`.
 """
 
 from lp_lightning.tensor.base import GatherSpec

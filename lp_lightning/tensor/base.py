@@ -35,8 +35,8 @@ class GatherSpec(Protocol):
     """How FSDP2 all-gathers one low-precision weight: the two hooks its ``fsdp_*_all_gather`` forward to.
 
     A weight carries its spec (``QuantizedWeightTensor.gather_policy``), set when the lifecycle layer
-    finalizes it (``lp_lightning.integration.finalize_low_precision_weights``; the implementation is
-    ``lp_lightning.integration.GatherPolicy``); a weight without one refuses to be gathered. The spec
+    finalizes it (``lp_lightning.fsdp.weights.finalize_low_precision_weights``; the implementation is
+    ``lp_lightning.fsdp.gather.GatherPolicy``); a weight without one refuses to be gathered. The spec
     may keep per-weight notes (the first gather's schema, scratch buffers) in the weight's
     :attr:`~_LowPrecisionWeightBase.gather_memo`.
     """
@@ -268,7 +268,7 @@ class _LowPrecisionWeightBase(torch.Tensor):
         if not self.is_built:
             raise ValueError(
                 f"{type(self).__name__}.select({orientation!r}) on weight {self.fqn!r}: storage not built. Call "
-                "lp_lightning.integration.refresh_low_precision_weights(model.parameters()) after "
+                "lp_lightning.fsdp.refresh.refresh_low_precision_weights(model.parameters()) after "
                 "fully_shard / load."
             )
         if orientation not in self._state.orientations:

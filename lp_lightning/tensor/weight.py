@@ -12,7 +12,7 @@ parameter's *logical* shape, dtype and ``requires_grad`` that owns
 - the **derived low-precision storage** (:mod:`lp_lightning.tensor.storage`), rebuilt from the
   master only by :meth:`QuantizedWeightTensor.refresh_from_master`, which quantizes through the op
   backend (``lp_lightning.ops.quantize_dual``). The lifecycle layer calls it once per successful
-  optimizer step (``lp_lightning.integration.refresh``, design spec §10).
+  optimizer step (``lp_lightning.fsdp.refresh``, design spec §10).
 
 ``select(orientation)`` returns a ``QuantizedOperand`` *viewing* that storage (no quantisation,
 no copy). The GEMM views (design spec §8, the contract of ``lp_lightning.functional``):
@@ -57,7 +57,7 @@ unused parameter; plain results) are allowed, everything else raises.
 FSDP2. torch's FSDP2 calls ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on the sharded
 local tensor. The weight forwards both to its own *gather spec* (:class:`~lp_lightning.tensor.base.GatherSpec`,
 ``gather_policy``), which the lifecycle layer sets when it finalizes the weight
-(``lp_lightning.integration.GatherPolicy``) and which owns the gather schema, the phase and the
+(``lp_lightning.fsdp.gather.GatherPolicy``) and which owns the gather schema, the phase and the
 unpacking (its per-weight notes live in ``gather_memo``). A weight without a spec refuses to be gathered.
 
 Tensor-name legend: ``w_NK`` dense weight (N out-features, K in-features), ``w_ENK`` grouped HF
@@ -118,7 +118,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         recipe: The ``LowPrecisionRecipe`` whose WEIGHT quantizer builds the storage.
         kind: ``WeightKind.DENSE`` or ``WeightKind.GROUPED``.
         fqn: Parameter FQN (for messages and probes; ``""`` if unknown).
-        gather_policy: The weight's :class:`~lp_lightning.tensor.base.GatherSpec` (``lp_lightning.integration.GatherPolicy``,
+        gather_policy: The weight's :class:`~lp_lightning.tensor.base.GatherSpec` (``lp_lightning.fsdp.gather.GatherPolicy``,
             set at finalize); ``None``: the weight cannot be all-gathered by FSDP2.
     """
 
@@ -208,7 +208,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
             recipe: A ``LowPrecisionRecipe`` or a format name (``"mxfp8_e4m3"``, ``"hif8"``).
             kind: ``"dense"`` or ``"grouped"``.
             fqn: Parameter FQN for messages and probes.
-            gather_policy: The weight's gather spec (``lp_lightning.integration.GatherPolicy``); ``None``: none yet.
+            gather_policy: The weight's gather spec (``lp_lightning.fsdp.gather.GatherPolicy``); ``None``: none yet.
             requires_grad: ``requires_grad`` of the wrapper.
 
         Returns:
@@ -305,7 +305,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         if spec is None:
             raise RuntimeError(
                 f"FSDP2 all-gathers low-precision weight {self.fqn!r} {tuple(self.shape)}, which has no gather spec; "
-                "finalize it with lp_lightning.integration.finalize_low_precision_weights before fully_shard."
+                "finalize it with lp_lightning.fsdp.weights.finalize_low_precision_weights before fully_shard."
             )
         return spec
 

@@ -66,7 +66,7 @@ class StateDump(Callback):
     def _dump(self, trainer: pl.Trainer, pl_module: pl.LightningModule, tag: str) -> None:
         import torch
 
-        from lp_lightning.integration.refresh import local_low_precision_weight
+        from lp_lightning.fsdp.refresh import local_low_precision_weight
 
         storage, optim = {}, {}
         names = {}
@@ -102,8 +102,8 @@ class ImportedModules(Callback):
     of the source tree) is ``tests/test_bf16_imports.py``.
     """
 
-    WATCHED = ("lp_lightning.tensor.weight", "lp_lightning.plan", "lp_lightning.integration.refresh",
-               "lp_lightning.integration.sharding", "torch_npu")
+    WATCHED = ("lp_lightning.tensor.weight", "lp_lightning.plan", "lp_lightning.fsdp.refresh",
+               "lp_lightning.fsdp.sharding", "torch_npu")
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir

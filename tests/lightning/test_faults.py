@@ -15,7 +15,7 @@ dsv3-tiny, 2 x 32 tokens per step, a checkpoint after every step, 3-5 steps per 
   checked spread over the ranks).
 
 A truncated ``.metadata`` is found at launch (``tests/test_cli.py::test_ckpt_path_last_and_the_parent_folder``),
-corrupted and truncated files on load in ``tests/distributed/test_checkpoint.py``; the SIGKILL-during-save
+corrupted and truncated files on load in ``tests/checkpoint/test_dcp.py``; the SIGKILL-during-save
 case (a save killed before its rename) in ``test_save_is_atomic_and_overwrites_in_place`` there, SIGTERM in
 ``tests/lightning/test_fit_e2e.py``.
 """
@@ -31,7 +31,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from test_fit_e2e import REPO, _fit_command
 
-from lp_lightning.distributed.checkpoint import DIGESTS_FILENAME, verify_dcp_checkpoint
+from lp_lightning.checkpoint.dcp import DIGESTS_FILENAME, verify_dcp_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
+from lp_lightning.checkpoint.dcp import checkpoint_tensor_keys
 
 pytestmark = pytest.mark.slow
 
@@ -209,7 +209,7 @@ def test_sigterm_saves_the_last_step_exits_143_and_resumes(tmp_path, token_cache
     import signal
     import time
 
-    from lp_lightning.distributed.checkpoint import verify_dcp_checkpoint
+    from lp_lightning.checkpoint.dcp import verify_dcp_checkpoint
 
     root = tmp_path / "sigterm"
     args = _fit_command(

@@ -33,8 +33,8 @@ LOW_PRECISION_WEIGHTS = 21 + 2 * 2
 
 def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, token_cache_dir, isolated_dist,
                                                                       monkeypatch):
-    import lp_lightning.distributed.fsdp as fsdp
-    import lp_lightning.integration as integration  # the plugin and the strategy call through the package
+    import lp_lightning.fsdp.parallelize as fsdp
+    import lp_lightning.fsdp.lifecycle as lifecycle  # the plugin's and the strategy's lifecycle calls go through it
     from lp_lightning.lightning.module import DeepSeekV3LM
     from lp_lightning.plan import ModuleReplacementPlan
 
@@ -50,9 +50,9 @@ def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, t
         monkeypatch.setattr(owner, name, wrapped)
 
     spy(ModuleReplacementPlan, "apply", "plan_applied")
-    spy(integration, "finalize_low_precision_weights", "weights_finalized")
+    spy(lifecycle, "finalize_low_precision_weights", "weights_finalized")
     spy(fsdp, "fully_shard", "fully_shard")
-    spy(integration, "refresh_low_precision_weights", "refresh")
+    spy(lifecycle, "refresh_low_precision_weights", "refresh")
     spy(fsdp, "apply_activation_checkpointing", "activation_checkpoint")
     spy(DeepSeekV3LM, "configure_optimizers", "optimizer")
     plugin = LowPrecisionPlugin("mxfp8")
@@ -68,7 +68,7 @@ def test_build_order_plan_finalize_shard_refresh_recompute_optimizer(tmp_path, t
     assert record.low_precision_weights == LOW_PRECISION_WEIGHTS and record.replicated_low_precision == ()
     assert record.fp32_compute_modules == ("model.layers.1.mlp.gate", "model.layers.2.mlp.gate")
 
-    from lp_lightning.integration.refresh import local_low_precision_weight
+    from lp_lightning.fsdp.refresh import local_low_precision_weight
 
     low = {n for n, p in module.model.named_parameters() if local_low_precision_weight(p) is not None}
     assert len(low) == LOW_PRECISION_WEIGHTS
@@ -107,12 +107,12 @@ class _MicroStepRefreshes(pl.Callback):
         self.per_micro_batch: list[tuple[int, int]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from lp_lightning.integration.refresh import total_refresh_count
+        from lp_lightning.fsdp.refresh import total_refresh_count
 
         self._start = total_refresh_count()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from lp_lightning.integration.refresh import total_refresh_count
+        from lp_lightning.fsdp.refresh import total_refresh_count
 
         self.per_micro_batch.append((batch_idx, total_refresh_count() - self._start))
 
@@ -190,8 +190,8 @@ def test_replaced_modules_run_no_high_precision_gemm_in_a_training_step(mode, tm
 def test_fabric_twin_converts_shards_refreshes_and_restores(mode, tmp_path, isolated_dist):
     from lightning.fabric import Fabric
 
-    from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
-    from lp_lightning.integration.refresh import RefreshRecorder, local_low_precision_weight
+    from lp_lightning.checkpoint.dcp import checkpoint_tensor_keys
+    from lp_lightning.fsdp.refresh import RefreshRecorder, local_low_precision_weight
     from lp_lightning.lightning import FSDP2FabricStrategy, LowPrecisionFabricPlugin
     from lp_lightning.models.deepseek_v3 import from_hf_config
 

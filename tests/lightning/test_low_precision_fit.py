@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
+from lp_lightning.checkpoint.dcp import checkpoint_tensor_keys
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lp_lightning.distributed.finite import NonFiniteStateError
+from lp_lightning.checkpoint.finite import NonFiniteStateError
 from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 from lp_lightning.lightning.low_precision import LowPrecisionFabricPlugin, LowPrecisionPlugin
 from lp_lightning.lightning.precision import SUPPORTED_PRECISIONS, BF16FabricPlugin, BF16Plugin, precision_plugin
@@ -106,7 +106,7 @@ class _Dense(nn.Module):
 
 
 def _lp_params(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from lp_lightning.integration import finalize_low_precision_weights
+    from lp_lightning.fsdp.weights import finalize_low_precision_weights
 
     module = _Dense()
     finalize_low_precision_weights(module, recipe=LowPrecisionPlugin(mode).policy)
@@ -115,7 +115,7 @@ def _lp_params(mode: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 @pytest.mark.parametrize("mode", ["mxfp8", "hif8"])
 def test_fabric_step_refreshes_each_weight_once_and_skips_non_finite(mode, eager_codecs):
-    from lp_lightning.integration.refresh import RefreshRecorder
+    from lp_lightning.fsdp.refresh import RefreshRecorder
 
     module, optimizer = _lp_params(mode)
     plugin = LowPrecisionFabricPlugin(mode)

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 
 from _inprocess import fit_tiny, tiny_datamodule
 from lp_lightning.config import FSDP2Config
-from lp_lightning.distributed.checkpoint import checkpoint_tensor_keys
-from lp_lightning.distributed.fsdp import is_parallelized
+from lp_lightning.checkpoint.dcp import checkpoint_tensor_keys
+from lp_lightning.fsdp.parallelize import is_parallelized
 from lp_lightning.lightning import (
     BF16FabricPlugin,
     BF16Plugin,

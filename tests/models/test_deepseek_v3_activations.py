@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lp_lightning.distributed.fsdp import apply_activation_checkpointing
+from lp_lightning.fsdp.parallelize import apply_activation_checkpointing
 from lp_lightning.formats.spec import as_spec
-from lp_lightning.integration import refresh_low_precision_weights
+from lp_lightning.fsdp.refresh import refresh_low_precision_weights
 from lp_lightning.lightning.low_precision import LowPrecisionPlugin
 from lp_lightning.models import DEEPSEEK_V3
 from lp_lightning.models.deepseek_v3 import from_hf_config

@@ -28,7 +28,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Exper
 
 from lp_lightning.evidence.numerics import sqnr_db
 from lp_lightning.formats import recipe_for, set_compiled_kernels
-from lp_lightning.integration import finalize_low_precision_weights
+from lp_lightning.fsdp.weights import finalize_low_precision_weights
 from lp_lightning.functional import grouped_linear, linear, low_precision_grouped_swiglu
 from lp_lightning.models.deepseek_v3 import from_hf_config
 from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lp_lightning.formats import recipe_for
-from lp_lightning.integration import finalize_low_precision_weights
+from lp_lightning.fsdp.weights import finalize_low_precision_weights
 from lp_lightning.tensor import QuantizedWeightTensor
 from lp_lightning.functional import low_precision_linear
 from lp_lightning.modules import LowPrecisionLinear, replace_low_precision_linear

@@ -1,7 +1,7 @@
 """``plan_memory`` against what FSDP2 really builds, and the shard rule computed independently (docs/planner.md).
 
 The component formulas are checked on dsv3-tiny against the production FSDP2 application
-(``distributed.fsdp._fully_shard_model``, the same ``fully_shard`` calls as ``parallelize_causal_lm``)
+(``fsdp.parallelize._fully_shard_model``, the same ``fully_shard`` calls as ``parallelize_causal_lm``)
 run on the meta model over a fake process group of ``W`` ranks: every parameter's real rank-0 shard
 (torch's chunk rule, padding, ``Shard(1)`` placements, the ``(W, 1)`` replicated fallback mesh),
 with the bytes added up here from those shards, ``storage_spec`` and ``gather_layout``. The dim-0
@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lp_lightning.distributed.fsdp import _fully_shard_model, default_mixed_precision_policy, upcast_parameters_to_fp32
+from lp_lightning.fsdp.parallelize import _fully_shard_model, default_mixed_precision_policy, upcast_parameters_to_fp32
 from lp_lightning.formats.spec import as_spec
-from lp_lightning.integration import GatherPolicy, gather_layout, planned_sharding
+from lp_lightning.fsdp.gather import GatherPolicy, gather_layout
+from lp_lightning.fsdp.sharding import planned_sharding
 from lp_lightning.lightning.low_precision import LowPrecisionPlugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import build_meta_model

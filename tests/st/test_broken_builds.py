@@ -71,7 +71,7 @@ if _BROKEN == "unreplaced_target":
 
 elif _BROKEN == "hp_gather":
     import lp_lightning.functional.linear as linear
-    import lp_lightning.integration.weights as weights
+    import lp_lightning.fsdp.weights as weights
     import lp_lightning.modules.linear as module
     from lp_lightning import ops
     from lp_lightning.formats.operand import QuantizationRole
@@ -99,7 +99,7 @@ elif _BROKEN == "micro_step_refresh":
     _post_backward = LowPrecisionPlugin.post_backward
 
     def post_backward(self, tensor, module):
-        from lp_lightning.integration import refresh_low_precision_weights
+        from lp_lightning.fsdp.refresh import refresh_low_precision_weights
 
         refresh_low_precision_weights(module.parameters())
         return _post_backward(self, tensor, module)

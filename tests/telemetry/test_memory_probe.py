@@ -83,7 +83,8 @@ def test_linear_adamw_parameters_moments_and_inputs_are_exact(one_rank, tmp_path
 
 def test_low_precision_weight_master_and_storage_are_counted_once(one_rank, tmp_path):
     from lp_lightning.formats import recipe_for
-    from lp_lightning.integration import finalize_low_precision_weights, refresh_low_precision_weights
+    from lp_lightning.fsdp.refresh import refresh_low_precision_weights
+    from lp_lightning.fsdp.weights import finalize_low_precision_weights
     from lp_lightning.modules import LowPrecisionLinear
     from lp_lightning.tensor import storage_spec
     from lp_lightning.tensor.storage import nbytes
@@ -112,7 +113,8 @@ def test_low_precision_weight_master_and_storage_are_counted_once(one_rank, tmp_
 
 def test_the_emulated_kernels_working_buffers_are_only_in_the_all_ops_peak(one_rank, tmp_path):
     from lp_lightning.formats import recipe_for
-    from lp_lightning.integration import finalize_low_precision_weights, refresh_low_precision_weights
+    from lp_lightning.fsdp.refresh import refresh_low_precision_weights
+    from lp_lightning.fsdp.weights import finalize_low_precision_weights
     from lp_lightning.modules import LowPrecisionLinear
 
     width = 512  # a big weight and a small batch: the refresh's eager codec buffers make the peak

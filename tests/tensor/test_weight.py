@@ -18,13 +18,8 @@ from torch import nn
 
 from lp_lightning.formats import QuantizationRole, recipe_for
 from lp_lightning.formats.spec import WeightKind
-from lp_lightning.integration import (
-    GatherPolicy,
-    finalize_low_precision_weights,
-    iter_low_precision_weights,
-    low_precision_param_names,
-    register_low_precision_params,
-)
+from lp_lightning.fsdp.gather import GatherPolicy
+from lp_lightning.fsdp.weights import finalize_low_precision_weights, iter_low_precision_weights, low_precision_param_names, register_low_precision_params
 from lp_lightning.tensor import GatheredWeightTensor, QuantizedWeightTensor, is_master_of, storage_spec, total_refresh_count
 from lp_lightning.tensor.weight import _WeightState
 

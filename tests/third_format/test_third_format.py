@@ -55,13 +55,9 @@ from lp_lightning.formats.registry import (
 )
 from lp_lightning.formats.spec import AmaxScope, WeightKind
 from lp_lightning.functional import low_precision_grouped_swiglu
-from lp_lightning.integration import (
-    RefreshRecorder,
-    add_gather_observer,
-    finalize_low_precision_weights,
-    iter_low_precision_weights,
-    refresh_low_precision_weights,
-)
+from lp_lightning.fsdp.gather import add_gather_observer
+from lp_lightning.fsdp.refresh import RefreshRecorder, refresh_low_precision_weights
+from lp_lightning.fsdp.weights import finalize_low_precision_weights, iter_low_precision_weights
 from lp_lightning.modules.linear import LowPrecisionLinear
 from lp_lightning.ops import GemmRole, low_precision_grouped_matmul, low_precision_matmul, record_gemms
 from lp_lightning.tensor import GatheredWeightTensor, QuantizedWeightTensor, storage_spec, weight_quantizer
@@ -453,7 +449,7 @@ def test_the_products_grouped_swiglu_autograd_runs_on_fp8_weights():
     ],
 )
 def test_the_fsdp2_gather_schema_follows_the_spec(kind, shape, slots):
-    from lp_lightning.integration import gather_layout
+    from lp_lightning.fsdp.gather import gather_layout
 
     layout = gather_layout(SPEC, kind, shape, 2)
     assert list(layout.slots) == slots and layout.data_payloads == ("data",)
@@ -545,7 +541,7 @@ def _wire(record: list[tuple[torch.dtype, int]]):
 def _run_fsdp(rank: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from lp_lightning.integration import plan_low_precision_sharding
+    from lp_lightning.fsdp.sharding import plan_low_precision_sharding
 
     g = torch.Generator().manual_seed(1234)
     batches = [[torch.randn(T, K, generator=g) for _ in range(WORLD)] for _ in range(STEPS)]

@@ -73,7 +73,7 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
         recipe: The ``LowPrecisionRecipe`` of ``policy.format``.
         fqn: The module's fully qualified name.
         low_precision_weight_names: Class attribute ``("gate_up_proj", "down_proj")``: the
-            parameters ``lp_lightning.integration.finalize_low_precision_weights`` turns into
+            parameters ``lp_lightning.fsdp.weights.finalize_low_precision_weights`` turns into
             persistent low-precision weights (``low_precision_weight_kind = "grouped"``: GEMM
             views ``[E, H, 2F]`` and ``[E, F, H]``).
     """
@@ -138,7 +138,7 @@ class DeepseekV3LowPrecisionExperts(nn.Module):
                 raise TypeError(
                     f"{who}: {name} is still the plain high-precision Parameter {tuple(weight.shape)}; build the "
                     f"{self.recipe.format.name} weights after applying the plan with "
-                    "lp_lightning.integration.finalize_low_precision_weights."
+                    "lp_lightning.fsdp.weights.finalize_low_precision_weights."
                 )
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_dim:
             raise ValueError(

@@ -8,7 +8,7 @@ size in ``digests.json``, together with the finiteness of the saved tensors::
      "files": {".metadata": {"bytes": 5120, "sha256": "9f2c..."}, "__0_0.distcp": {...}, "meta.pt": {...}}}
 
 The file is written to ``digests.json.tmp`` and renamed, inside the hidden staging folder that
-becomes the checkpoint only when complete (:func:`lp_lightning.distributed.checkpoint.save_dcp_checkpoint`).
+becomes the checkpoint only when complete (:func:`lp_lightning.checkpoint.dcp.save_dcp_checkpoint`).
 
 At load, :func:`check_files` compares sizes (cheap) and digests (one read of every byte; the
 load spreads the files over the ranks) before DCP reads anything, so a flipped byte, a truncated

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lp_lightning.integration.refresh import (
+from lp_lightning.fsdp.refresh import (
     RefreshRecorder,
     local_low_precision_weight,
     refresh_count,
@@ -23,7 +23,7 @@ from lp_lightning.integration.refresh import (
     shard_group,
 )
 from lp_lightning.formats import set_compiled_kernels
-from lp_lightning.integration import finalize_low_precision_weights
+from lp_lightning.fsdp.weights import finalize_low_precision_weights
 from lp_lightning.tensor import QuantizedWeightTensor, total_refresh_count
 
 

@@ -1,4 +1,4 @@
-"""``lp_lightning.distributed.checkpoint``: HF-keyed DCP folders, FP32 views, exact round trip."""
+"""``lp_lightning.checkpoint.dcp``: HF-keyed DCP folders, FP32 views, exact round trip."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from lp_lightning.distributed.checkpoint import (
+from lp_lightning.checkpoint.dcp import (
     DIGESTS_FILENAME,
     METADATA_FILENAME,
     DamagedCheckpointError,
@@ -21,14 +21,16 @@ from lp_lightning.distributed.checkpoint import (
     save_dcp_checkpoint,
     verify_dcp_checkpoint,
 )
-from lp_lightning.distributed.fsdp import build_dp_mesh, default_mixed_precision_policy, parallelize_causal_lm
+from lp_lightning.fsdp.parallelize import build_dp_mesh, default_mixed_precision_policy, parallelize_causal_lm
+from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import from_hf_config
 
 
 def _sharded_tiny(seed: int, activation_checkpoint: str = "off"):
     model = from_hf_config("dsv3-tiny", seed=seed)
     parallelize_causal_lm(model, build_dp_mesh("cpu", 1), mp_policy=default_mixed_precision_policy(),
-                          reshard_after_forward=True, activation_checkpoint=activation_checkpoint)
+                          reshard_after_forward=True, activation_checkpoint=activation_checkpoint,
+                          adapter=adapter_for(model))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return model, optimizer
 
@@ -113,7 +115,7 @@ def _masters(model) -> dict[str, torch.Tensor]:
 
 
 def test_save_is_atomic_and_overwrites_in_place(tmp_path, single_rank_group, monkeypatch):
-    import lp_lightning.distributed.checkpoint as ckpt
+    import lp_lightning.checkpoint.dcp as ckpt
 
     model, optimizer = _sharded_tiny(seed=0)
     first = _save(model, optimizer, tmp_path / "step-000001", 1)
@@ -250,7 +252,7 @@ def test_a_legacy_checkpoint_with_nan_bytes_fails_after_loading(tmp_path, single
 
 
 def test_a_non_finite_state_is_never_saved_unless_asked_and_then_never_resumed(tmp_path, single_rank_group):
-    from lp_lightning.distributed.checkpoint import newest_intact_checkpoint
+    from lp_lightning.checkpoint.resume import newest_intact_checkpoint
 
     model, optimizer = _sharded_tiny(seed=0)
     _train_step(model, optimizer)

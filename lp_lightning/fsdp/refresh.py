@@ -23,7 +23,7 @@ so ranks never disagree because a NaN compared differently. Per-block (MXFP8) an
 Finiteness: the report carries each refreshed weight's local master amax (the per-tensor amax
 computed for the reduction above where there is one, else one ``max |master|`` per weight), so the
 non-finite guard learns whether a master holds NaN/Inf without reading the masters again
-(:func:`lp_lightning.distributed.finite.first_nonfinite`; docs/architecture.md "The non-finite guard").
+(:func:`lp_lightning.checkpoint.finite.first_nonfinite`; docs/architecture.md "The non-finite guard").
 
 Counting (for tests and the ST probe's ``refresh.per_step``): each weight keeps
 ``refresh_count``; :class:`RefreshRecorder` records every storage build in the process while
@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from lp_lightning.formats.amax import abs_max
 from lp_lightning.formats.spec import AmaxScope
-from lp_lightning.integration.weights import local_low_precision_weight
+from lp_lightning.fsdp.weights import local_low_precision_weight
 from lp_lightning.observers import notify_collective
 from lp_lightning.tensor.storage import add_refresh_observer, total_refresh_count
 from lp_lightning.tensor.weight import QuantizedWeightTensor, is_master_of

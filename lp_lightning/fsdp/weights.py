@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
 from lp_lightning.formats.spec import FormatSpec, WeightKind
-from lp_lightning.integration.gather import GatherPolicy
+from lp_lightning.fsdp.gather import GatherPolicy
 from lp_lightning.tensor.base import _LowPrecisionWeightBase
 from lp_lightning.tensor.weight import QuantizedWeightTensor, _check_master
 
@@ -194,7 +194,7 @@ def finalize_low_precision_weights(
         recipe: A ``LowPrecisionRecipe``, a format name, or a ``LowPrecisionPolicy`` (its
             ``format``); one recipe for every weight (design spec §4.2: one policy per run). A module
             carrying its own ``recipe`` attribute must agree.
-        gather_policy: FSDP2 gather policy (see :class:`~lp_lightning.integration.gather.GatherPolicy`).
+        gather_policy: FSDP2 gather policy (see :class:`~lp_lightning.fsdp.gather.GatherPolicy`).
         master_dtype: dtype of the masters (default FP32, design spec §10).
         build: Build the storage now (one counted refresh per weight). Pass ``False`` when
             ``fully_shard`` follows: FSDP2 replaces every parameter by fresh unbuilt shards that

@@ -8,7 +8,7 @@ Layout of one checkpoint folder, e.g. ``<default_root_dir>/checkpoints/step-0000
                        Trainer the loop state (global step, epoch/batch progress), LR scheduler,
                        callback, datamodule (data position) and precision-plugin states
     digests.json       size and SHA-256 of each file above, and whether every saved tensor was
-                       finite (:mod:`lp_lightning.distributed.integrity`)
+                       finite (:mod:`lp_lightning.checkpoint.integrity`)
 
 DCP keys (read them with :func:`checkpoint_tensor_keys`):
 
@@ -25,7 +25,7 @@ DCP keys (read them with :func:`checkpoint_tensor_keys`):
 
 Low-precision runs (``mxfp8``/``hif8``): a low-precision weight's Parameter is a
 ``QuantizedWeightTensor`` (FP32 master + derived 8-bit storage); a state-dict post hook of its
-module (``lp_lightning.integration.weights``) exposes the plain FP32 master shard under the same HF key,
+module (``lp_lightning.fsdp.weights``) exposes the plain FP32 master shard under the same HF key,
 so the checkpoint holds no tensor subclass and no derived data/scale, loads with
 ``weights_only=True``, into a plain HF ``DeepseekV3ForCausalLM`` (``dcp.load`` without a process
 group) and into a run of any precision. Loading copies into the master in place; the strategies then
@@ -35,13 +35,13 @@ Writing is atomic per folder: every rank writes into a hidden sibling ``.<name>.
 adds ``meta.pt`` and ``digests.json`` last and renames the folder into place, so a run killed while
 saving leaves the previous checkpoints untouched and no folder that looks complete but is not.
 A state holding NaN/Inf (masters, AdamW moments; one fused check over all ranks,
-:func:`~lp_lightning.distributed.finite.first_nonfinite`) is never written: the save raises
-:class:`~lp_lightning.distributed.finite.NonFiniteStateError` before creating anything.
+:func:`~lp_lightning.checkpoint.finite.first_nonfinite`) is never written: the save raises
+:class:`~lp_lightning.checkpoint.finite.NonFiniteStateError` before creating anything.
 
 Loading first checks the folder (``meta.pt`` present, every file's size and, spread over the
 ranks, its SHA-256 against ``digests.json``; ``meta.pt`` and ``.metadata`` readable; every model
 key present with the model's shape) and only then lets DCP read, so a damaged checkpoint fails
-with :class:`~lp_lightning.distributed.integrity.DamagedCheckpointError` naming the file and leaves
+with :class:`~lp_lightning.checkpoint.integrity.DamagedCheckpointError` naming the file and leaves
 the model as it was. After DCP has read, the loaded masters and moments are checked for NaN/Inf
 (a folder without ``digests.json``, written before digests existed, is only checked this way); a
 failure there raises the same error, with the loaded values left in the model and optimizer.
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from lp_lightning.distributed.finite import NonFiniteStateError, first_nonfinite, flatten_state
-from lp_lightning.distributed.integrity import (
+from lp_lightning.checkpoint.finite import NonFiniteStateError, first_nonfinite, flatten_state
+from lp_lightning.checkpoint.integrity import (
     DAMAGED_CHECKPOINT_FIX,
     DIGESTS_FILENAME,
     DamagedCheckpointError,
@@ -90,14 +90,11 @@ __all__ = [
     "METADATA_FILENAME",
     "DamagedCheckpointError",
     "NonFiniteStateError",
-    "checkpoint_folders",
+    "checkpoint_problem",
     "checkpoint_tensor_keys",
     "is_dcp_checkpoint",
     "load_dcp_checkpoint",
     "model_state_dict",
-    "newest_intact_checkpoint",
-    "older_checkpoints",
-    "sibling_checkpoints",
     "optimizer_state_dict",
     "save_dcp_checkpoint",
     "verify_dcp_checkpoint",
@@ -462,25 +459,17 @@ def checkpoint_tensor_keys(path: str | Path) -> dict[str, Any]:
     return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-def checkpoint_folders(folder: str | Path) -> list[Path]:
-    """The ``step-*`` checkpoint folders under ``folder``, most recently written first.
+def checkpoint_problem(path: str | Path, *, content: bool) -> DamagedCheckpointError | None:
+    """Why ``path`` cannot be resumed from (the same answer on every rank), or ``None``.
 
-    Ordered by the time ``meta.pt`` was written (just before the folder's rename), then by name:
-    after a rerun into the same folder, the rerun's ``step-000036`` comes before an earlier run's
-    ``step-000040``. Hidden ``.partial`` folders (saves cut short) never appear.
+    Collective when a process group exists (any rank's finding counts; ``content`` hashes every
+    file, spread over the ranks); without one, this process checks alone.
+
+    Args:
+        path: A checkpoint folder.
+        content: Also recompute every file's SHA-256 (else: structure, sizes and the small files).
     """
-    def written(path: Path) -> tuple[float, str]:
-        meta = path / METADATA_FILENAME
-        return (meta.stat().st_mtime if meta.is_file() else 0.0, path.name)
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    return sorted((p for p in folder.glob("step-*") if p.is_dir()), key=written, reverse=True)
-
-
-def _intact_problem(path: Path, *, content: bool) -> DamagedCheckpointError | None:
-    """Why ``path`` cannot be resumed from (the same answer on every rank), or ``None``."""
+    path = Path(path)
     try:
         verify_dcp_checkpoint(path, weights_only=False, content=False)
         problem = None
@@ -497,47 +486,3 @@ def _intact_problem(path: Path, *, content: bool) -> DamagedCheckpointError | No
         except DamagedCheckpointError as err:
             return err
     return None
-
-
-def newest_intact_checkpoint(
-    candidates: Sequence[str | Path],
-    *,
-    content: bool,
-    on_skip: Any = None,
-) -> Path | None:
-    """The first of ``candidates`` that passes its checks (newest first: see :func:`checkpoint_folders`).
-
-    Collective when a process group exists (``content`` hashes every file, spread over the ranks);
-    without one, each call checks alone (``content=False`` is what the CLI runs at launch).
-
-    Args:
-        candidates: Checkpoint folders in order of preference.
-        content: Also recompute every file's SHA-256 (else: structure, sizes and the small files).
-        on_skip: Optional ``on_skip(path, error)`` called for each candidate that fails.
-
-    Returns:
-        The first intact folder, or ``None`` when every candidate fails.
-    """
-    for candidate in map(Path, candidates):
-        problem = _intact_problem(candidate, content=content)
-        if problem is None:
-            return candidate
-        if on_skip is not None:
-            on_skip(candidate, problem)
-    return None
-
-
-def sibling_checkpoints(path: str | Path) -> list[Path]:
-    """The ``step-*`` siblings of ``path``, ``path`` itself left out, most recently written first."""
-    path = Path(path)
-    return [p for p in checkpoint_folders(path.parent) if p.resolve() != path.resolve()]
-
-
-def older_checkpoints(path: str | Path) -> list[Path]:
-    """The ``step-*`` siblings of ``path`` written before it, newest first (all siblings when ``path`` is not one)."""
-    path = Path(path)
-    folders = checkpoint_folders(path.parent)
-    resolved = [p.resolve() for p in folders]
-    if path.resolve() in resolved:
-        return folders[resolved.index(path.resolve()) + 1:]
-    return folders

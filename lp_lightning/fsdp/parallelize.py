@@ -18,7 +18,7 @@ holds identical weights) and applies, in this order and nowhere else:
    that HF keeps in FP32) are sharded first as their own FSDP2 group with ``param_dtype=fp32``, so
    their compute uses FP32 weights exactly as in the unsharded model.
    With low-precision weights (``mxfp8``/``hif8``; the conversion finalized them with unbuilt
-   storage) each weight is placed first (:func:`~lp_lightning.integration.plan_low_precision_sharding`):
+   storage) each weight is placed first (:func:`~lp_lightning.fsdp.sharding.plan_low_precision_sharding`):
    ``Shard(0)`` where the format's shard rule of design spec §9.1 holds, else ``Shard(1)`` (the
    input dimension, through FSDP2's ``shard_placement_fn``) where that is legal; a weight no dim
    can shard fails here naming FQN, shape, world size and rules, or, with
@@ -33,28 +33,29 @@ holds identical weights) and applies, in this order and nowhere else:
    ``checkpoint_wrapper(..., CheckpointImpl.NO_REENTRANT)`` around the sharded layer. The wrapper
    inserts ``_checkpoint_wrapped_module`` into ``named_parameters()`` FQNs, but its state-dict hooks
    strip it, so ``state_dict()`` and ``torch.distributed.checkpoint.state_dict`` keys stay the HF
-   names (tested in ``tests/distributed/test_fsdp.py``).
+   names (tested in ``tests/fsdp/test_parallelize.py``).
 
 The optimizer is created afterwards (Lightning's ``setup_optimizers``), over the sharded FP32
 Parameters.
 
-What is model-specific (where the decoder layers are, which modules compute in FP32) comes from
-the model's :class:`~lp_lightning.models.adapter.ModelAdapter` (``adapter=``, by default
-``adapter_for(causal_lm)``); nothing here knows a model.
+What is model-specific (where the decoder layers are, which modules compute in FP32) comes in as
+``adapter=`` (a :class:`ModelLayout`: the model's
+:class:`~lp_lightning.models.adapter.ModelAdapter` satisfies it); nothing here knows a model.
+What is low-precision (placements, the replicated fallback mesh, the first refresh) comes in as
+``lifecycle=`` (a :class:`WeightLifecycle`: the low-precision plugin's
+:class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle`; ``None`` in bf16).
 
-Only torch is imported here (no Lightning): the Trainer strategy and the Fabric strategy in
-``lp_lightning/lightning/strategy.py`` both call these functions. The low-precision modules
-(:mod:`lp_lightning.integration`) are
-imported only when the model holds low-precision weights, so a ``bf16`` run never imports the
-format layer.
+Only torch is imported here (no Lightning, no low-precision module): the Trainer strategy and the
+Fabric strategy in ``lp_lightning/lightning/strategy.py`` both call these functions, and a
+``bf16`` run never imports the format layer.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -65,11 +66,13 @@ from torch.distributed.tensor import DTensor
 from lp_lightning.config import ActivationCheckpointMode, check_activation_checkpoint
 
 if TYPE_CHECKING:
-    from lp_lightning.models.adapter import ModelAdapter
+    from lp_lightning.fsdp.sharding import LowPrecisionShardingPlan
 
 __all__ = [
     "DP_SHARD_DIM",
+    "ModelLayout",
     "ParallelizationRecord",
+    "WeightLifecycle",
     "apply_activation_checkpointing",
     "build_dp_mesh",
     "clip_gradients_",
@@ -86,6 +89,41 @@ DP_SHARD_DIM = "dp_shard"
 """Name of the single dimension of the data-parallel device mesh."""
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+class ModelLayout(Protocol):
+    """What :func:`parallelize_causal_lm` asks a model: a model adapter's two layout questions
+    (:class:`~lp_lightning.models.adapter.ModelAdapter` provides them)."""
+
+    def decoder_layers(self, causal_lm: nn.Module) -> nn.ModuleList:
+        """The decoder layers, each one FSDP2 unit (and one recompute unit)."""
+        ...
+
+    def fp32_compute_modules(self, causal_lm: nn.Module) -> tuple[str, ...]:
+        """FQNs of the modules whose Parameters the model keeps in FP32 inside a BF16 model (a MoE router)."""
+        ...
+
+
+class WeightLifecycle(Protocol):
+    """The low-precision half of :func:`parallelize_causal_lm` (``None`` in bf16).
+
+    :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle` implements it; the low-precision
+    plugin hands its instance to the strategy (``FSDP2PrecisionPlugin.lifecycle``).
+    """
+
+    def plan_sharding(
+        self, causal_lm: nn.Module, world_size: int, *, fallback_to_unsharded: bool, input_dim_sharding: bool
+    ) -> LowPrecisionShardingPlan | None:
+        """The placement of every low-precision weight (design spec §9.1); ``None`` when the model holds none."""
+        ...
+
+    def replicated_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """The ``(W, 1)`` mesh the replicated fallback modules are sharded over."""
+        ...
+
+    def refresh_after_shard(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Builds every low-precision shard once from its FP32 master shard (after ``fully_shard``)."""
+        ...
 
 
 def process_group_backend_for(device_type: str) -> str:
@@ -272,8 +310,9 @@ def parallelize_causal_lm(
     reshard_after_forward: bool,
     activation_checkpoint: ActivationCheckpointMode,
     convert_module: Callable[[nn.Module], nn.Module] | None = None,
+    adapter: ModelLayout,
+    lifecycle: WeightLifecycle | None = None,
     fallback_to_unsharded: bool = False,
-    adapter: ModelAdapter | None = None,
     input_dim_sharding: bool = True,
 ) -> tuple[nn.Module, ParallelizationRecord]:
     """Converts, upcasts, shards and (optionally) recompute-wraps a causal LM, in that order.
@@ -289,9 +328,10 @@ def parallelize_causal_lm(
             already ran it. It must return a module with the same decoder-layer layout.
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``: keep low-precision weights
             that no dim can shard replicated instead of failing (module docstring).
-        adapter: The model's :class:`~lp_lightning.models.adapter.ModelAdapter` (decoder layers,
-            FP32 compute modules); ``None`` looks it up with
-            :func:`~lp_lightning.models.adapter.adapter_for`.
+        adapter: The model's layout (:class:`ModelLayout`: decoder layers, FP32 compute modules),
+            e.g. ``lp_lightning.models.adapter_for(causal_lm)``.
+        lifecycle: The low-precision lifecycle (:class:`WeightLifecycle`, the low-precision
+            plugin's ``lifecycle``); ``None`` for a model without low-precision weights (bf16).
         input_dim_sharding: ``fsdp_config.input_dim_sharding``: ``Shard(1)`` for weights whose
             dim-0 split breaks their format's rule (module docstring).
 
@@ -300,20 +340,15 @@ def parallelize_causal_lm(
         sharded in place) and what was done.
 
     Raises:
-        TypeError: No adapter describes the model, the model has no decoder layers where its
-            adapter looks, is already sharded, or ``convert_module`` returned something that is not
-            an ``nn.Module``.
+        TypeError: The model has no decoder layers where its adapter looks, is already sharded,
+            ``convert_module`` returned something that is not an ``nn.Module``, or it holds
+            low-precision weights and ``lifecycle`` is ``None``.
         ValueError: ``mesh`` is not 1-D, ``activation_checkpoint`` is unknown, or (with
             ``fallback_to_unsharded=False``) a low-precision weight cannot be sharded over the mesh.
     """
     if mesh.ndim != 1:
         raise ValueError(f"expected a 1-D data-parallel mesh, got a mesh of shape {tuple(mesh.shape)}.")
     check_activation_checkpoint(activation_checkpoint)
-    if adapter is None:
-        # Imported here: models loads its adapters on first use; the caller may pass one.
-        from lp_lightning.models.adapter import adapter_for
-
-        adapter = adapter_for(causal_lm)
     _check_plain(causal_lm, adapter)
     steps: list[str] = []
     if convert_module is not None:
@@ -324,7 +359,7 @@ def parallelize_causal_lm(
     upcast = upcast_parameters_to_fp32(causal_lm)
     steps.append("upcast_fp32")
 
-    sharding = _low_precision_sharding(causal_lm, mesh, fallback_to_unsharded, input_dim_sharding)
+    sharding = _low_precision_sharding(causal_lm, mesh, lifecycle, fallback_to_unsharded, input_dim_sharding)
     replicated_modules: tuple[str, ...] = () if sharding is None else sharding.replicated_modules
     placement_fn = None if sharding is None else sharding.shard_placement_fn(causal_lm)
     layers = adapter.decoder_layers(causal_lm)
@@ -336,15 +371,14 @@ def parallelize_causal_lm(
         reshard_after_forward=reshard_after_forward,
         fp32_compute=fp32_compute,
         replicated_modules=replicated_modules,
+        replicated_mesh=None if not replicated_modules or lifecycle is None else lifecycle.replicated_mesh,
         shard_placement_fn=placement_fn,
     )
     steps.append("fully_shard")
 
     if sharding is not None:
-        # Imported here: low precision only: a bf16 run imports no lifecycle module.
-        from lp_lightning.integration import refresh_low_precision_weights
-
-        refresh_low_precision_weights(causal_lm.parameters())
+        assert lifecycle is not None  # a plan exists only through it
+        lifecycle.refresh_after_shard(causal_lm.parameters())
         steps.append("refresh_low_precision")
 
     wrapped = apply_activation_checkpointing(layers, activation_checkpoint)
@@ -368,7 +402,7 @@ def parallelize_causal_lm(
     return causal_lm, record
 
 
-def _check_plain(causal_lm: nn.Module, adapter: ModelAdapter) -> None:
+def _check_plain(causal_lm: nn.Module, adapter: ModelLayout) -> None:
     """The model has decoder layers where its adapter looks and is not sharded yet."""
     adapter.decoder_layers(causal_lm)
     if is_parallelized(causal_lm):
@@ -389,19 +423,21 @@ def _convert(causal_lm: nn.Module, convert_module: Callable[[nn.Module], nn.Modu
 
 
 def _low_precision_sharding(
-    causal_lm: nn.Module, mesh: DeviceMesh, fallback_to_unsharded: bool, input_dim_sharding: bool
-) -> Any | None:
-    """The shard-legality plan of the low-precision weights (design spec §9.1), ``None`` without any (bf16).
-
-    Imports :mod:`lp_lightning.integration` only when the model holds
-    low-precision weights.
-    """
-    if not has_low_precision_weights(causal_lm):
+    causal_lm: nn.Module,
+    mesh: DeviceMesh,
+    lifecycle: WeightLifecycle | None,
+    fallback_to_unsharded: bool,
+    input_dim_sharding: bool,
+) -> LowPrecisionShardingPlan | None:
+    """The shard-legality plan of the low-precision weights (design spec §9.1), ``None`` without any (bf16)."""
+    if lifecycle is None:
+        if has_low_precision_weights(causal_lm):
+            raise TypeError(
+                f"{type(causal_lm).__name__} holds low-precision weights but parallelize_causal_lm got no lifecycle: "
+                "pass lifecycle=plugin.lifecycle (the low-precision precision plugin's LowPrecisionLifecycle)."
+            )
         return None
-    # Imported here: low precision only: a bf16 run imports no lifecycle module.
-    from lp_lightning.integration import plan_low_precision_sharding
-
-    return plan_low_precision_sharding(
+    return lifecycle.plan_sharding(
         causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded, input_dim_sharding=input_dim_sharding
     )
 
@@ -415,18 +451,19 @@ def _fully_shard_model(
     reshard_after_forward: bool,
     fp32_compute: Sequence[str],
     replicated_modules: Sequence[str],
+    replicated_mesh: Callable[[str, int], DeviceMesh] | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> int:
     """Step 3: ``fully_shard`` in order — replicated fallback modules, FP32 compute modules, decoder
     layers, root (module docstring); ``shard_placement_fn`` places the input-dim weights of the
-    layers and the root. Returns the number of ``fully_shard`` calls."""
+    layers and the root; ``replicated_mesh(device_type, world_size)`` builds the fallback mesh (the
+    lifecycle's). Returns the number of ``fully_shard`` calls."""
     fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=mp_policy.reduce_dtype)
     modules = dict(causal_lm.named_modules())
-    if replicated_modules:  # before the layers that contain them (integration.sharding docstring)
-        # Imported here: low precision only: a bf16 run imports no lifecycle module.
-        from lp_lightning.integration import replicated_fallback_mesh
-
-        replicate_mesh = replicated_fallback_mesh(mesh.device_type, mesh.size())
+    if replicated_modules:  # before the layers that contain them (fsdp.sharding docstring)
+        if replicated_mesh is None:
+            raise ValueError(f"{len(replicated_modules)} replicated fallback module(s) but no replicated_mesh to build.")
+        replicate_mesh = replicated_mesh(mesh.device_type, mesh.size())
         for fqn in replicated_modules:
             fully_shard(
                 modules[fqn], mesh=replicate_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward

@@ -19,24 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lp_lightning.integration.sharding import (
+from lp_lightning.fsdp.sharding import (
     check_shard_legality,
     choose_shard_dim,
     gather_policy_for,
     plan_low_precision_sharding,
     set_gather_policy,
 )
-from lp_lightning.integration.refresh import RefreshRecorder, refresh_low_precision_weights
+from lp_lightning.fsdp.refresh import RefreshRecorder, refresh_low_precision_weights
 from lp_lightning.formats import hif8, set_compiled_kernels
 from lp_lightning.formats.spec import shard_rows
-from lp_lightning.integration import (
-    GatherMetadata,
-    GatherPolicy,
-    add_gather_observer,
-    current_gather_phase,
-    finalize_low_precision_weights,
-    gather_layout,
-)
+from lp_lightning.fsdp.gather import GatherMetadata, GatherPolicy, add_gather_observer, current_gather_phase, gather_layout
+from lp_lightning.fsdp.weights import finalize_low_precision_weights
 from lp_lightning.tensor import GatheredWeightTensor, QuantizedWeightTensor
 
 
@@ -629,7 +623,7 @@ def _scenario(rank: int, fmt: str, dims, policy, *, fallback: bool = False, chec
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from lp_lightning.integration.sharding import replicated_fallback_mesh
+    from lp_lightning.fsdp.sharding import replicated_fallback_mesh
 
     steps, t = 2, 6
     batches = _batches(steps, t, dims[0])
@@ -745,7 +739,7 @@ def _run_mx_input_dim(rank: int) -> None:
     64 columns/rank): no replica, gathered operands bit-identical to quantising the full master."""
     from torch.distributed.tensor import Shard
 
-    from lp_lightning.integration import add_gather_observer
+    from lp_lightning.fsdp.gather import add_gather_observer
 
     dims = (128, 96, 2, 64, 8)
     for policy in (SINGLE, BOTH):
@@ -807,7 +801,7 @@ def test_fsdp2_two_processes_gloo():
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "hif8"])
 def test_fsdp2_on_a_one_rank_mesh_gathers_one_packed_slot(fmt):
-    """A single process still shards with a 1-rank mesh (lp_lightning.distributed.fsdp); FSDP2 then
+    """A single process still shards with a 1-rank mesh (lp_lightning.fsdp.parallelize); FSDP2 then
     copies only the first all-gather input, so the schema is one packed uint8 slot."""
     from torch.distributed.fsdp import fully_shard
 

@@ -1,6 +1,6 @@
 """Shard legality, the replicated fallback and the gather policy of a run (design spec §9.1–9.2, §13.5).
 
-What surrounds the FSDP2 gather extension (:mod:`lp_lightning.integration.gather`), through
+What surrounds the FSDP2 gather extension (:mod:`lp_lightning.fsdp.gather`), through
 public APIs only. Every rule comes from the weight's ``FormatSpec``:
 
 **Placements** (:func:`choose_shard_dim`, :class:`WeightPlacement`): FSDP2 shards dim 0 unless a
@@ -47,8 +47,8 @@ from torch import nn
 
 from lp_lightning.config import ActivationCheckpointMode
 from lp_lightning.formats.spec import FormatSpec, WeightKind, as_spec, shard_rows
-from lp_lightning.integration.gather import GatherPolicy, current_gather_phase
-from lp_lightning.integration.weights import (
+from lp_lightning.fsdp.gather import GatherPolicy, current_gather_phase
+from lp_lightning.fsdp.weights import (
     declared_low_precision_params,
     iter_low_precision_weights,
     local_low_precision_weight,
@@ -263,7 +263,7 @@ def plan_low_precision_sharding(
     """Place every low-precision weight of ``module`` (module docstring "Placements"), before ``fully_shard``.
 
     Args:
-        module: The model after :func:`~lp_lightning.integration.weights.finalize_low_precision_weights`.
+        module: The model after :func:`~lp_lightning.fsdp.weights.finalize_low_precision_weights`.
         world_size: FSDP shard-group size (the ``dp_shard`` mesh size).
         fallback_to_unsharded: ``fsdp_config.fallback_to_unsharded``.
         input_dim_sharding: ``fsdp_config.input_dim_sharding`` (``False``: dim 0 only).
@@ -331,7 +331,7 @@ def planned_placements(
 
     For the launch check (design spec §15 "illegal shard") and ``lp-lightning plan``: run it on the
     meta twin after ``plan.apply`` (structure only; the replaced modules declare their
-    low-precision parameters, :func:`~lp_lightning.integration.weights.declared_low_precision_params`),
+    low-precision parameters, :func:`~lp_lightning.fsdp.weights.declared_low_precision_params`),
     so an impossible layout fails once, before any process or model exists.
     :func:`plan_low_precision_sharding` applies the same rules to the finalized weights on every rank.
 
@@ -406,7 +406,7 @@ def replicated_fallback_mesh(device_type: str, world_size: int) -> torch.distrib
 
 
 def gather_policy_for(*, reshard_after_forward: bool, activation_checkpoint: ActivationCheckpointMode) -> GatherPolicy:
-    """The :class:`~lp_lightning.integration.gather.GatherPolicy` of a run's FSDP2 settings.
+    """The :class:`~lp_lightning.fsdp.gather.GatherPolicy` of a run's FSDP2 settings.
 
     Args:
         reshard_after_forward: ``fsdp_config.reshard_after_forward`` (passed explicitly to every

@@ -1,4 +1,4 @@
-"""``lp_lightning.distributed.fsdp``: build order, sharding layout, recompute keys, grad norm."""
+"""``lp_lightning.fsdp.parallelize``: build order, sharding layout, recompute keys, grad norm."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lp_lightning.distributed.fsdp import (
+from lp_lightning.fsdp.parallelize import (
     build_dp_mesh,
     default_mixed_precision_policy,
     parallelize_causal_lm,
@@ -15,6 +15,7 @@ from lp_lightning.distributed.fsdp import (
     total_grad_norm,
     upcast_parameters_to_fp32,
 )
+from lp_lightning.models.adapter import adapter_for
 from lp_lightning.models.deepseek_v3 import from_hf_config
 
 
@@ -51,7 +52,7 @@ def test_parallelize_order_layout_and_hf_keys(tiny_state, single_rank_group, act
     mesh = build_dp_mesh("cpu", 1)
     out, record = parallelize_causal_lm(
         model, mesh, mp_policy=default_mixed_precision_policy(), reshard_after_forward=True,
-        activation_checkpoint=activation_checkpoint, convert_module=convert,
+        activation_checkpoint=activation_checkpoint, convert_module=convert, adapter=adapter_for(model),
     )
     assert out is model and calls == [{nn.Parameter}]
     expected = ("convert_module", "upcast_fp32", "fully_shard")
@@ -71,7 +72,7 @@ def test_parallelize_order_layout_and_hf_keys(tiny_state, single_rank_group, act
     assert len(names_before) == len(list(model.parameters()))
     with pytest.raises(TypeError, match="already sharded"):
         parallelize_causal_lm(model, mesh, mp_policy=default_mixed_precision_policy(),
-                              reshard_after_forward=True, activation_checkpoint="off")
+                              reshard_after_forward=True, activation_checkpoint="off", adapter=adapter_for(model))
 
 
 def test_upcast_is_exact_and_keeps_parameter_identity(tiny_state):
@@ -94,7 +95,7 @@ def test_sharded_forward_matches_plain_bf16_model_and_grad_norm(tiny_state, sing
 
     sharded = _tiny(tiny_state)
     parallelize_causal_lm(sharded, build_dp_mesh("cpu", 1), mp_policy=default_mixed_precision_policy(),
-                          reshard_after_forward=True, activation_checkpoint="off")
+                          reshard_after_forward=True, activation_checkpoint="off", adapter=adapter_for(sharded))
     logits = sharded(input_ids=ids_BT).logits
     # The all-gathered compute weights are the BF16 values the model was built with: same forward.
     assert logits.dtype == torch.bfloat16
@@ -155,8 +156,9 @@ class _ToyAdapter:
 def test_parallelize_takes_the_model_structure_from_the_adapter(single_rank_group):
     mesh = build_dp_mesh("cpu", 1)
     with pytest.raises(TypeError, match=r"no model adapter for model type None \(_ToyLM\).*register_model_adapter"):
-        parallelize_causal_lm(_ToyLM(), mesh, mp_policy=default_mixed_precision_policy(),
-                              reshard_after_forward=True, activation_checkpoint="off")
+        toy = _ToyLM()
+        parallelize_causal_lm(toy, mesh, mp_policy=default_mixed_precision_policy(),
+                              reshard_after_forward=True, activation_checkpoint="off", adapter=adapter_for(toy))
     model = _ToyLM()
     out, record = parallelize_causal_lm(
         model, mesh, mp_policy=default_mixed_precision_policy(), reshard_after_forward=True,

@@ -15,7 +15,9 @@ from torch import nn
 from lp_lightning import ops
 from lp_lightning.formats import StaleOperandError, recipe_for
 from lp_lightning.formats.operand import freed_storage
-from lp_lightning.integration import add_gather_observer, finalize_low_precision_weights, refresh_low_precision_weights
+from lp_lightning.fsdp.gather import add_gather_observer
+from lp_lightning.fsdp.refresh import refresh_low_precision_weights
+from lp_lightning.fsdp.weights import finalize_low_precision_weights
 from lp_lightning.modules import LowPrecisionLinear
 
 

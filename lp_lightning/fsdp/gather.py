@@ -648,12 +648,12 @@ def _pre_all_gather(
         raise ValueError(
             f"fsdp_pre_all_gather({weight.fqn!r}): local shard {tuple(weight.shape)} is not the Shard({shard_dim}) "
             f"shard {expected_local} of {layout.outer_shape} on rank {rank} of {world_size}; low-precision weights "
-            "support FSDP2 Shard(0) and, where their format allows it, Shard(1) (integration.plan_low_precision_sharding)."
+            "support FSDP2 Shard(0) and, where their format allows it, Shard(1) (fsdp.sharding.plan_low_precision_sharding)."
         )
     if not weight.is_built:
         raise ValueError(
             f"fsdp_pre_all_gather({weight.fqn!r}): the low-precision shard was never built; call "
-            "lp_lightning.integration.refresh_low_precision_weights(model.parameters()) after fully_shard (design spec §10)."
+            "lp_lightning.fsdp.refresh.refresh_low_precision_weights(model.parameters()) after fully_shard (design spec §10)."
         )
     first = weight.gather_memo.setdefault("layout", layout)
     if first != layout:

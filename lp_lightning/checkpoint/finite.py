@@ -5,14 +5,14 @@ one fused reduction per call: one 0-d FP32 ``max |x|`` per tensor (this rank's s
 ``DTensor``), stacked, tested with ``isfinite`` and MAX-reduced over the process group as one
 int32 vector, so every rank gets the same answer, the first offending name in the order given.
 A caller that already holds a tensor's amax (the weight refresh computes one per low-precision
-master, :func:`lp_lightning.integration.refresh_low_precision_weights`) passes that 0-d amax
+master, :func:`lp_lightning.fsdp.refresh.refresh_low_precision_weights`) passes that 0-d amax
 instead of the tensor: ``max |amax|`` is the amax itself.
 
 Users (docs/architecture.md, "The non-finite guard"):
 
 * the precision plugin after every applied optimizer step (masters) and on a skipped step (the
   reason: a non-finite master, a non-finite gradient, or a norm that overflowed);
-* :func:`lp_lightning.distributed.checkpoint.save_dcp_checkpoint` before anything is written
+* :func:`lp_lightning.checkpoint.dcp.save_dcp_checkpoint` before anything is written
   (masters, AdamW moments), and the load after DCP has read (the same tensors).
 
 Every rank must call it with the same names in the same order (collective).
