@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from lp_lightning.formats.recipe import LowPrecisionRecipe, recipe_for
 from lp_lightning.formats.spec import FormatSpec, WeightKind
 from lp_lightning.fsdp.gather import GatherPolicy
-from lp_lightning.tensor.base import _LowPrecisionWeightBase
-from lp_lightning.tensor.weight import QuantizedWeightTensor, _check_master
+from lp_lightning.tensor.base import is_low_precision_weight
+from lp_lightning.tensor.weight import QuantizedWeightTensor, check_master
 
 __all__ = [
     "LowPrecisionWeightRecord",
@@ -221,7 +221,7 @@ def finalize_low_precision_weights(
                 f"would be {resolved.name!r}; pass the same recipe."
             )
         for fqn, param in params:
-            if isinstance(param, _LowPrecisionWeightBase):
+            if is_low_precision_weight(param):
                 raise TypeError(f"{fqn}: already a low-precision weight; finalize_low_precision_weights runs once.")
             if isinstance(param, DTensor):
                 raise TypeError(
@@ -233,7 +233,7 @@ def finalize_low_precision_weights(
             if not param.is_floating_point():
                 raise TypeError(f"{fqn}: parameter dtype {param.dtype} is not floating point.")
             master = param.detach().to(master_dtype).contiguous()  # reuses the memory when already FP32
-            _check_master(master, kind, fqn)
+            check_master(master, kind, fqn)
             weight = QuantizedWeightTensor(master, recipe=resolved, kind=kind, fqn=fqn, gather_policy=gather_policy)
             if build:
                 weight.refresh_from_master()

@@ -94,6 +94,7 @@ from lp_lightning.tensor.storage import note_refresh, storage_names, storage_spe
 __all__ = [
     "GatheredWeightTensor",
     "QuantizedWeightTensor",
+    "check_master",
     "is_low_precision_weight",
     "is_master_of",
     "weight_quantizer",
@@ -220,7 +221,7 @@ class QuantizedWeightTensor(_LowPrecisionWeightBase):
         """
         recipe = recipe if isinstance(recipe, LowPrecisionRecipe) else recipe_for(recipe)
         kind = WeightKind.parse(kind)
-        _check_master(master, kind, fqn)
+        check_master(master, kind, fqn)
         weight = cls(
             master.detach(), recipe=recipe, kind=kind, fqn=fqn, gather_policy=gather_policy, requires_grad=requires_grad
         )
@@ -352,7 +353,12 @@ def _aliases(candidate: torch.Tensor, master: torch.Tensor) -> bool:
     )
 
 
-def _check_master(master: torch.Tensor, kind: WeightKind, fqn: str) -> None:
+def check_master(master: torch.Tensor, kind: WeightKind, fqn: str) -> None:
+    """A master a weight may hold: a plain 2-D (dense) or 3-D (grouped) float tensor with no empty dimension.
+
+    Raises:
+        TypeError: A subclass or non-float master; ValueError: another rank or an empty dimension.
+    """
     if not isinstance(master, torch.Tensor) or isinstance(master, _LowPrecisionWeightBase):
         raise TypeError(f"{fqn or 'weight'}: the master must be a plain tensor, got {type(master).__name__}.")
     if master.dtype not in (torch.float32, torch.bfloat16, torch.float16):

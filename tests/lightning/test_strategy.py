@@ -9,6 +9,9 @@ the FP32 order of the mean and is compared at 1e-6.
 
 from __future__ import annotations
 
+import inspect
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -19,6 +22,7 @@ from torch.utils.data import DataLoader
 from _inprocess import fit_tiny, tiny_datamodule
 from lp_lightning.config import FSDP2Config
 from lp_lightning.checkpoint.dcp import checkpoint_tensor_keys
+from lp_lightning.checkpoint.integrity import DamagedCheckpointError
 from lp_lightning.fsdp.parallelize import is_parallelized
 from lp_lightning.lightning import (
     BF16FabricPlugin,
@@ -151,3 +155,43 @@ def test_fabric_twin_shards_steps_and_checkpoints_hf_keys(tmp_path, isolated_dis
     assert state["step"] == 1
     for name, param in model.named_parameters():
         assert torch.equal(param.full_tensor(), before[name]), name
+
+    # A damaged folder: the error names the last good one; with resume_fallback the older one loads (as the Trainer's).
+    good, bad = tmp_path / "checkpoints" / "step-000001", tmp_path / "checkpoints" / "step-000002"
+    fabric.save(good, {"model": model, "optimizer": optimizer, "step": 1})
+    fabric.save(bad, {"model": model, "optimizer": optimizer, "step": 2})
+    shard = bad / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes: only the digest sees it
+    shard.write_bytes(bytes(data))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with pytest.raises(DamagedCheckpointError, match=f"the last good checkpoint is '{good}'"):
+        fabric.load(bad, state)
+    fabric.strategy.resume_fallback = True
+    with pytest.warns(UserWarning, match=f"skips '{bad}'"):
+        fabric.load(bad, state)
+    assert state["step"] == 1 and fabric.strategy.loaded_checkpoint == str(good)
+
+
+def test_both_strategies_take_the_same_arguments():
+    def arguments(cls):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(cls.__init__).parameters.values()]
+
+    assert arguments(FSDP2Strategy) == arguments(FSDP2FabricStrategy)
+    assert [a[0] for a in arguments(FSDP2Strategy)] == [
+        "self", "fsdp_config", "activation_checkpoint", "process_group_backend", "timeout", "resume_fallback"]
+
+
+def test_trainer_activation_checkpoint_from_the_strategy_or_the_module():
+    module_off, module_full, bare = SimpleNamespace(activation_checkpoint="off"), SimpleNamespace(
+        activation_checkpoint="full"), SimpleNamespace()
+    assert FSDP2Strategy()._activation_checkpoint_of(module_full) == "full"
+    assert FSDP2Strategy()._activation_checkpoint_of(bare) == "off"
+    assert FSDP2Strategy(activation_checkpoint="full")._activation_checkpoint_of(bare) == "full"
+    assert FSDP2Strategy(activation_checkpoint="full")._activation_checkpoint_of(module_full) == "full"
+    with pytest.raises(ValueError, match=r"activation_checkpoint='full'.*activation_checkpoint='off'"):
+        FSDP2Strategy(activation_checkpoint="full")._activation_checkpoint_of(module_off)
+    with pytest.raises(ValueError, match="selective"):
+        FSDP2FabricStrategy(activation_checkpoint="selective")
+    with pytest.raises(TypeError, match="resume_fallback must be a bool"):
+        FSDP2Strategy(resume_fallback="yes")

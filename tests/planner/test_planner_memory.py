@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lp_lightning.fsdp.sharding import replicated_fallback_mesh
 from lp_lightning.fsdp.parallelize import _fully_shard_model, default_mixed_precision_policy, upcast_parameters_to_fp32
 from lp_lightning.formats.spec import as_spec
 from lp_lightning.fsdp.gather import GatherPolicy, gather_layout
@@ -66,7 +67,8 @@ def _real_fsdp2(spec, precision, world_size, *, fallback, overrides):
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     _fully_shard_model(
         meta, adapter.decoder_layers(meta), mesh, mp_policy=default_mixed_precision_policy(),
-        reshard_after_forward=True, fp32_compute=fp32, replicated_modules=replicated, shard_placement_fn=placement_fn,
+        reshard_after_forward=True, fp32_compute=fp32, replicated_modules=replicated,
+        replicated_mesh=replicated_fallback_mesh, shard_placement_fn=placement_fn,
     )
     units = [n for n, m in meta.named_modules() if isinstance(m, FSDPModule)]
     out = {}
