@@ -26,6 +26,8 @@ from typing_extensions import override
 
 from lp_lightning.checkpoint.finite import NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV, PeriodicCheckpoint
+from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
 from lp_lightning.telemetry.probes import (
     GEMM_ROLE_KEYS,
@@ -120,13 +122,22 @@ def _gather(trainer: pl.Trainer, value: int) -> list[int]:
     return [int(t.item()) for t in gathered]
 
 
+def lp_plugin(trainer: pl.Trainer) -> FSDP2PrecisionPlugin | None:
+    """The run's lp-lightning precision plugin (``None`` under another plugin: the summary then holds no
+    precision state)."""
+    plugin = trainer.precision_plugin
+    return plugin if isinstance(plugin, FSDP2PrecisionPlugin) else None
+
+
 def _startup_gate(trainer: pl.Trainer) -> dict[str, Any] | None:
-    result = getattr(trainer.precision_plugin, "gate_result", None)
+    plugin = lp_plugin(trainer)
+    result = None if plugin is None else plugin.gate_result
     return None if result is None else result.as_dict()
 
 
 def _sharding(trainer: pl.Trainer) -> dict[str, Any] | None:
-    record = getattr(trainer.strategy, "parallelization", None)
+    strategy = trainer.strategy
+    record = strategy.parallelization if isinstance(strategy, FSDP2Strategy) else None
     if record is None:
         return None
     sharding = dataclasses.asdict(record)
@@ -215,17 +226,16 @@ class RunSummaryCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(trainer.global_step)
         self._load_start = _load_average()
-        plugin = trainer.precision_plugin
-        policy = getattr(plugin, "policy", None)
-        self._skipped_at_start = int(getattr(plugin, "optimizer_steps_skipped", 0))
-        guard = getattr(plugin, "guard", None)
-        self._events_at_start = len(guard.events) if guard is not None else 0
-        if policy is not None and policy.enabled:  # bf16 imports nothing of the low-precision stack
+        plugin = lp_plugin(trainer)
+        self._skipped_at_start = plugin.optimizer_steps_skipped if plugin is not None else 0
+        self._events_at_start = len(plugin.guard.events) if plugin is not None else 0
+        if plugin is not None and plugin.policy.enabled:  # bf16 imports nothing of the low-precision stack
             self._gemms = GemmRoleCounter().__enter__()
             self._refresh = RefreshCounter().__enter__()
         if self.wire:
-            mp_policy = plugin.fsdp_mixed_precision_policy() if hasattr(plugin, "fsdp_mixed_precision_policy") else None
-            self._wire = WireRecorder(plain_dtype=getattr(mp_policy, "param_dtype", None) or torch.bfloat16)
+            mp_policy = plugin.fsdp_mixed_precision_policy() if plugin is not None else None
+            self._wire = WireRecorder(plain_dtype=(mp_policy.param_dtype if mp_policy is not None else None)
+                                      or torch.bfloat16)
             self._wire.start(getattr(pl_module, "model", None))
 
     @override
@@ -319,9 +329,9 @@ class RunSummaryCallback(Callback):
         return keys
 
     def _precision_and_backend(self, trainer: pl.Trainer) -> tuple[str, str]:
-        plugin = trainer.precision_plugin
-        precision = self.precision or getattr(plugin, "mode", None) or str(trainer.precision)
-        backend = getattr(plugin, "backend", None) or "none"
+        plugin = lp_plugin(trainer)
+        precision = self.precision or (plugin.mode if plugin is not None else None) or str(trainer.precision)
+        backend = (plugin.backend if plugin is not None else None) or "none"
         return precision, backend
 
     def build_summary(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -379,10 +389,10 @@ class RunSummaryCallback(Callback):
         }).as_dict()
 
     def _nonfinite(self, trainer: pl.Trainer) -> dict[str, Any] | None:
-        plugin = trainer.precision_plugin
-        guard = getattr(plugin, "guard", None)
-        if guard is None:
+        plugin = lp_plugin(trainer)
+        if plugin is None:
             return None
+        guard = plugin.guard
         stopped = None
         if self._stop is not None:
             stopped = self._stop.as_dict()
@@ -401,16 +411,16 @@ class RunSummaryCallback(Callback):
         }
 
     def _low_precision_sections(self, trainer: pl.Trainer) -> dict[str, Any]:
-        plugin = trainer.precision_plugin
-        policy = getattr(plugin, "policy", None)
-        if policy is None or not policy.enabled:  # bf16: no low-precision weight, GEMM, refresh or gather
+        plugin = lp_plugin(trainer)
+        policy = plugin.policy if plugin is not None else None
+        if plugin is None or policy is None or not policy.enabled:  # bf16: no low-precision weight, GEMM, refresh or gather
             wire = self._wire.summary() if self._wire is not None else None
             if wire is not None:
                 wire = {k: wire[k] for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
                                              "steps", "bytes_are")}
             return {"low_precision": None, "replacement": None, "sharding": _sharding(trainer),
                     "kernels": None, "refresh": None, "wire": wire}
-        report = getattr(plugin, "replacement_report", None)
+        report = plugin.replacement_report
         kernels: dict[str, Any] = dict.fromkeys(GEMM_ROLE_KEYS, 0)
         kernels.update(backends={}, formats={}, unlabelled=0)
         if self._gemms is not None:
@@ -422,15 +432,15 @@ class RunSummaryCallback(Callback):
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, HighPrecisionGemmProbe):
                 kernels.update(callback.summary())
-        refreshes = getattr(plugin, "refreshes", {})
+        refreshes = plugin.refreshes
         refresh = {
             "per_step": list(self._refresh.per_step) if self._refresh is not None else [0] * len(self._losses),
             "per_weight_per_step": {
                 "min": self._refresh.min_per_weight if self._refresh is not None else None,
                 "max": self._refresh.max_per_weight if self._refresh is not None else None,
             },
-            "weights": len(getattr(plugin, "low_precision_weights", ())),
-            "skipped_steps": int(getattr(plugin, "optimizer_steps_skipped", 0)) - self._skipped_at_start,
+            "weights": len(plugin.low_precision_weights),
+            "skipped_steps": plugin.optimizer_steps_skipped - self._skipped_at_start,
             "startup": refreshes.get("startup", 0),
             "resume": refreshes.get("resume", 0),
         }
