@@ -27,13 +27,7 @@ from typing_extensions import override
 from lp_lightning.checkpoint.finite import NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV, PeriodicCheckpoint
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
-from lp_lightning.telemetry.probes import (
-    GEMM_ROLE_KEYS,
-    GemmRoleCounter,
-    HighPrecisionGemmProbe,
-    RefreshCounter,
-    WireRecorder,
-)
+from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
 from lp_lightning.telemetry.schema import RunSummary
 from lp_lightning.versions import software_versions
 
@@ -221,8 +215,9 @@ class RunSummaryCallback(Callback):
         guard = getattr(plugin, "guard", None)
         self._events_at_start = len(guard.events) if guard is not None else 0
         if policy is not None and policy.enabled:  # bf16 imports nothing of the low-precision stack
-            self._gemms = GemmRoleCounter().__enter__()
-            self._refresh = RefreshCounter().__enter__()
+            recorders = low_precision_recorders()
+            self._gemms = recorders.GemmRoleCounter().__enter__()
+            self._refresh = recorders.RefreshCounter().__enter__()
         if self.wire:
             mp_policy = plugin.fsdp_mixed_precision_policy() if hasattr(plugin, "fsdp_mixed_precision_policy") else None
             self._wire = WireRecorder(plain_dtype=getattr(mp_policy, "param_dtype", None) or torch.bfloat16)
