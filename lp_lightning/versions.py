@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lp_lightning
+
 __all__ = ["git_commit", "software_versions"]
 
 _DISTRIBUTIONS = {"torch": "torch", "torch_npu": "torch-npu", "lightning": "lightning", "transformers": "transformers"}
@@ -69,9 +71,6 @@ def software_versions() -> dict[str, str | None]:
         "transformers"}``; ``None`` for what is not installed or not known (``torch_npu`` and
         ``cann`` off Ascend, ``git_commit`` outside a git checkout).
     """
-    # Imported here: the package root: resolved at call time.
-    import lp_lightning
-
     versions: dict[str, str | None] = {
         "lp_lightning": lp_lightning.__version__,
         "git_commit": git_commit(),

@@ -92,7 +92,7 @@ def _dim0_rule_breakers_at_8_ranks() -> list[tuple[str, tuple[int, ...]]]:
     import torch
 
     from lp_lightning.models.deepseek_v3 import build_meta_model
-    from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
+    from lp_lightning.models.deepseek_v3.rules import deepseek_v3_default_rules
     from lp_lightning.plan import compile_plan
     from lp_lightning.policy import LowPrecisionConfig
 

@@ -24,7 +24,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
 from lp_lightning.models.deepseek_v3 import build_meta_model
-from lp_lightning.models.deepseek_v3.adapter import DEEPSEEK_V3, deepseek_v3_default_rules
+from lp_lightning.models.deepseek_v3.adapter import DEEPSEEK_V3
+from lp_lightning.models.deepseek_v3.rules import deepseek_v3_default_rules
 from lp_lightning.plan import (
     ModuleReplacementPlan,
     NeverReplaceRule,
@@ -811,7 +812,7 @@ def test_disabled_run_imports_no_torch_npu_and_no_factory(tmp_path):
                 return None
 
         sys.meta_path.insert(0, Trap())
-        from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
+        from lp_lightning.models.deepseek_v3.rules import deepseek_v3_default_rules
         from lp_lightning.plan import compile_plan, load_rules
         from lp_lightning.policy import LowPrecisionConfig
 

@@ -6,7 +6,7 @@ Stages (as the spec names them; how this repository realises each):
   before any class is instantiated (``LPLightningCLI.instantiate_classes`` is never called, no model
   is built);
 - **launch**: the same exit 2, after the checks that need the config's meta model
-  (``cli.launch._check_low_precision_launch``: the replacement plan compiled on the meta twin, the shard
+  (``cli.launch_low_precision.check_low_precision_launch``: the replacement plan compiled on the meta twin, the shard
   rule over the launch's world size), still before any process, Trainer or model exists;
 - **after model build**: an in-process Trainer run (one rank, gloo) fails after ``configure_model``
   built the model (spec validation), or in the plan compile/apply that follows, before any

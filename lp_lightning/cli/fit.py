@@ -230,7 +230,8 @@ def _plan_rules(specs: list[dict[str, Any]] | None) -> tuple[Any, ...] | None:
     """
     if specs is None:
         return None
-    from lp_lightning.plan import rules_from_config  # not imported by a run without overrides
+    # Imported here: only with plan_overrides; a bf16 run without them loads no plan module.
+    from lp_lightning.plan import rules_from_config
 
     return rules_from_config([dict(spec) for spec in specs])
 

@@ -26,8 +26,6 @@ from lp_lightning.checkpoint.integrity import DamagedCheckpointError
 from lp_lightning.checkpoint.resume import check_explicit_checkpoint, latest_checkpoint
 from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.datamodule import check_batch_geometry
-from lp_lightning.observers import stage
-from lp_lightning.policy import LowPrecisionConfig
 
 __all__ = ["NothingToDo", "check_launch", "is_rank_zero", "launch_world_size"]
 
@@ -92,7 +90,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
     In mxfp8/hif8 it then compiles the replacement plan once on the model's meta twin
-    (:func:`_check_low_precision_launch`).
+    (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`).
 
     Args:
         section: The subcommand's config.
@@ -145,7 +143,10 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
     if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
         check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
     if section["precision"] != "bf16":
-        _check_low_precision_launch(section, plan_rules, world_size)
+        # Imported here: a low-precision launch only; a bf16 run loads no plan, model-adapter or shard-rule module.
+        from lp_lightning.cli.launch_low_precision import check_low_precision_launch
+
+        check_low_precision_launch(section, plan_rules, world_size)
 
 
 def _check_data_sources_and_tokenizer(data: Namespace) -> None:
@@ -170,42 +171,3 @@ def _check_data_sources_and_tokenizer(data: Namespace) -> None:
         load_tokenizer(tokenizer)
     except (ValueError, TypeError, OSError) as err:
         raise ValueError(f"data.tokenizer={tokenizer!r}: {err}") from None
-
-
-def _check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
-    """Compiles the plan once on the meta model of ``model.*`` and checks the shard rule (design spec §15).
-
-    The plan of every rank (:func:`~lp_lightning.models.replacement.replacement_plan`) compiled and applied on the
-    structure-only model: a target FQN naming no module, a module that is not the rule's
-    ``module_type``, rule conflicts and unimportable ``module_type``/factory paths fail here. Then, with
-    ``fsdp_config.fallback_to_unsharded: false`` and a known world size, every weight that breaks the
-    format's shard rule along every dim it may take (dim 0, then the input dim: docs/architecture.md
-    "Placements") is listed in one error (FQN, shape, rows per rank, the fix) instead of one
-    traceback per rank; the strategy's per-rank check stays as a guard.
-
-    Raises:
-        TypeError, ValueError, ImportError: from the plan, or the illegal shards.
-    """
-    # Imported here: a low-precision launch only: a bf16 run imports no lifecycle or plan module.
-    from lp_lightning.fsdp.sharding import illegal_shards_error, planned_shard_violations
-    from lp_lightning.models.adapter import adapter_for_config
-    from lp_lightning.models.replacement import replacement_plan
-
-    model = section["model"]
-    name = model.get("config_name_or_path")
-    with stage("meta_model_build"):
-        meta = adapter_for_config(name).build_meta_model(
-            name,
-            config_overrides=model.get("config_overrides"),
-            attn_implementation=model.get("attn_implementation") or "sdpa",
-        )
-    policy = LowPrecisionConfig.from_precision(section["precision"]).to_policy()
-    replacement_plan(meta, policy, plan_rules).apply(meta)
-    fallback = section["fsdp_config"].get("fallback_to_unsharded")
-    if world_size is not None and not fallback:
-        violations = planned_shard_violations(
-            meta, world_size, policy.format.value,
-            input_dim_sharding=section["fsdp_config"].get("input_dim_sharding", True),
-        )
-        if violations:
-            raise illegal_shards_error(violations, world_size)

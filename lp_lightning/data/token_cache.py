@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from lp_lightning import __version__
 from lp_lightning.data.corpus import Corpus, SourceFile, resolve_corpus
 from lp_lightning.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -382,9 +383,6 @@ def build_token_cache(
         os.replace(tmp, bin_path)
     finally:
         tmp.unlink(missing_ok=True)
-
-    # Imported here: the package root imports the data layer: resolved at call time.
-    from lp_lightning import __version__
 
     meta = {
         "format_version": CACHE_FORMAT_VERSION,

@@ -44,7 +44,8 @@ _LOW_PRECISION = ("LowPrecisionFabricPlugin", "LowPrecisionPlugin")
 def __getattr__(name: str) -> object:
     """``LowPrecisionPlugin`` / ``LowPrecisionFabricPlugin`` load the low-precision stack on first use only."""
     if name in _LOW_PRECISION:
-        from lp_lightning.lightning import low_precision  # not at import: a bf16 run never loads it
+        # Imported here: the low-precision plugins load their whole stack, which a bf16 run never loads.
+        from lp_lightning.lightning import low_precision
 
         return getattr(low_precision, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lp_lightning.config import ActivationCheckpointMode, check_activation_checkpoint
 from lp_lightning.fsdp.parallelize import clip_gradients_, total_grad_norm
+from lp_lightning.models import deepseek_v3
 
 __all__ = ["DeepSeekV3LM", "warmup_cosine_factor"]
 
@@ -155,11 +156,8 @@ class DeepSeekV3LM(pl.LightningModule):
         """
         if self.model is not None:
             return
-        # Imported here: the model package loads when the model is built, not on import.
-        from lp_lightning.models.deepseek_v3 import from_hf_config
-
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-        self.model = from_hf_config(
+        self.model = deepseek_v3.from_hf_config(
             self.config_name_or_path,
             config_overrides=self.config_overrides,
             device=device,

@@ -438,7 +438,7 @@ def precision_plugin(precision: PrecisionMode = "bf16", *, trainer: bool = True,
                 "plan_overrides), or choose precision 'mxfp8' or 'hif8'."
             )
         return (BF16Plugin if trainer else BF16FabricPlugin)(**kwargs)
-    # Imported on use: the low-precision plugin imports its whole stack, which a bf16 run never loads.
+    # Imported here: the low-precision plugin imports its whole stack, which a bf16 run never loads.
     from lp_lightning.lightning import low_precision
     cls = low_precision.LowPrecisionPlugin if trainer else low_precision.LowPrecisionFabricPlugin
     return cls(precision, **kwargs)

@@ -21,11 +21,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric import Fabric
 from torch import nn
 
+import lp_lightning.models.deepseek_v3 as deepseek_v3
+from lp_lightning.lightning import DeepSeekV3LM, FSDP2FabricStrategy, FSDP2Strategy, precision_plugin
 from lp_lightning.observers import StageEvent, add_stage_observer
-from lp_lightning.st.illegal import ILLEGAL_CASES, MARKER, IllegalCase, case_argv, plan_rule
+from lp_lightning.plan import rules_from_config
+from lp_lightning.st.illegal_cases import ILLEGAL_CASES, MARKER, IllegalCase, case_argv, plan_rule
 
 __all__ = ["LinearSubclass", "PeftStyleWrapper", "main", "run_child"]
 
@@ -69,11 +74,6 @@ class LinearSubclass(nn.Linear):
 
 def _trainer_fit(case_dir: Path, module: Any, plugin: Any) -> None:
     """A one-step Trainer run (FSDP2Strategy, one CPU rank) on two synthetic batches."""
-    import lightning.pytorch as pl
-
-    # Imported here: a case imports only what its user script would.
-    from lp_lightning.lightning import FSDP2Strategy
-
     ids = torch.randint(0, 256, (2, 2, 9), generator=torch.Generator().manual_seed(0))
     batches = [{"input_ids": row[:, :-1], "labels": row[:, 1:]} for row in ids]
     trainer = pl.Trainer(
@@ -86,12 +86,6 @@ def _trainer_fit(case_dir: Path, module: Any, plugin: Any) -> None:
 
 def _fabric_model() -> tuple[Any, Any]:
     """A launched one-rank Fabric (FSDP2FabricStrategy, bf16 plugin) and its set-up dsv3-tiny."""
-    from lightning.fabric import Fabric
-
-    # Imported here: a case imports only what its user script would.
-    import lp_lightning.models.deepseek_v3 as deepseek_v3
-    from lp_lightning.lightning import FSDP2FabricStrategy, precision_plugin
-
     fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDP2FabricStrategy(),
                     plugins=[precision_plugin("bf16", trainer=False)])  # fmt: skip
     fabric.launch()
@@ -100,10 +94,6 @@ def _fabric_model() -> tuple[Any, Any]:
 
 def _script_case(name: str, case_dir: Path) -> None:
     """Runs the script case ``name`` (the rows the CLI cannot express); it is expected to raise."""
-    # Imported here: a case imports only what its user script would.
-    from lp_lightning.lightning import DeepSeekV3LM, precision_plugin
-    from lp_lightning.plan import rules_from_config
-
     if name == "targets-zero-hits-trainer":
         rules = rules_from_config([plan_rule("mla", "model.layers.0.self_attn.q_proj", _NO_SUCH_LAYER)])
         _trainer_fit(case_dir, DeepSeekV3LM(), precision_plugin("mxfp8", plan_rules=rules))

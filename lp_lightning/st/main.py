@@ -39,8 +39,12 @@ from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.st.cases import (
     CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
 )
+from lp_lightning.st.illegal import run_illegal_cases
+from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
+from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
 from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
+from lp_lightning.versions import software_versions
 
 __all__ = ["build_parser", "st_main"]
 
@@ -119,9 +123,6 @@ def _log(message: str) -> None:
 
 
 def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
-    # Imported here: only when the numerics rows are selected (builds kernels).
-    from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
-
     operators = operator_numerics()
     one_layer = one_layer_comparison()
     plot_operator_numerics(operators, out / "operator_numerics.png")
@@ -295,9 +296,6 @@ def _st(
              + ("" if result.ok else f"\n{result.error}"))
     illegal = None
     if "illegal" not in args.skip and "Q3-10" in args.rows:
-        # Imported here: only when the §15 row is selected.
-        from lp_lightning.st.illegal import run_illegal_cases
-
         _log("illegal configurations (design spec §15): running")
         illegal = run_illegal_cases(out / "illegal", fit_main=fit_main)
         _log(f"illegal configurations: {sum(bool(c.get('pass')) for c in illegal)}/{len(illegal)} as specified")
@@ -306,10 +304,6 @@ def _st(
     if "numerics" not in args.skip:
         _log("layered numerics (design spec §17.3.2): running")
         numerics, numerics_rows = _numerics(out)
-    # Imported here: matplotlib loads only when a report is written.
-    from lp_lightning.st.report import short_run_checks, write_report
-    from lp_lightning.versions import software_versions
-
     if all(f"main/{c.name}" in runs for c in CASES):
         numerics_rows.append(short_run_checks(runs, settings))
     rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,

@@ -2,12 +2,14 @@
 
 Each recorder observes and counts; none changes a tensor, a kernel choice or the order of any
 operation. :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` runs the GEMM-role and
-refresh counters for every fit and the wire recorder when asked (``--run_summary.wire true``), and
-writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an opt-in
-Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch mode under
-every aten op.
+refresh counters for every low-precision fit and the wire recorder when asked (``--run_summary.wire
+true``), and writes their totals into ``run_summary.json``; :class:`HighPrecisionGemmProbe` is an
+opt-in Callback (off by default in the CLI, on in the tests) because it puts a Python dispatch mode
+under every aten op. The counters and the probe's low-precision hooks live in
+:mod:`lp_lightning.telemetry.low_precision_recorders` (:func:`low_precision_recorders`), which
+imports the low-precision stack; this module imports none of it.
 
-**GEMM roles** (:class:`GemmRoleCounter`): an observer of ``lp_lightning.ops`` trace events
+**GEMM roles** (``GemmRoleCounter``): an observer of ``lp_lightning.ops`` trace events
 (``add_gemm_observer``). Every low-precision GEMM emits one event naming its backend
 (``"emulated"``/``"npu"``), format and role; the counter keys them ``"dense.fprop"`` …
 ``"grouped.wgrad"``.
@@ -33,7 +35,7 @@ LM head): a positive control that the probe sees GEMMs at all. Codec kernels run
 probe is active (``set_compiled_kernels(False)``; bit-identical by contract), because
 ``torch.compile`` does not trace under a Python dispatch mode.
 
-**Refreshes** (:class:`RefreshCounter`): ``lp_lightning.fsdp.refresh.RefreshRecorder``
+**Refreshes** (``RefreshCounter``): ``lp_lightning.fsdp.refresh.RefreshRecorder``
 counts every storage build of every low-precision weight; the counter splits them per optimizer
 step (and reports the largest number of builds of one weight in one step, which must be 1).
 
@@ -84,6 +86,7 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -102,12 +105,11 @@ from lp_lightning.observers import CollectiveEvent, add_collective_observer, not
 __all__ = [
     "ATEN_GEMM_OPS",
     "GEMM_ROLE_KEYS",
-    "GemmRoleCounter",
     "HighPrecisionGemmProbe",
     "ObservedAllGather",
     "ObservedReduceScatter",
-    "RefreshCounter",
     "WireRecorder",
+    "low_precision_recorders",
     "observe_fsdp_collectives",
     "replaced_modules",
 ]
@@ -123,6 +125,15 @@ GEMM_ROLE_KEYS: tuple[str, ...] = (
 """The six training GEMM roles (dense|grouped × fprop|dgrad|wgrad, design spec §8) as summary keys."""
 
 
+def low_precision_recorders() -> ModuleType:
+    """:mod:`lp_lightning.telemetry.low_precision_recorders`: the GEMM-role and refresh counters and the
+    low-precision hooks of :class:`HighPrecisionGemmProbe`."""
+    # Imported here: it imports ops, functional, formats and fsdp.refresh, which a bf16 run never loads.
+    from lp_lightning.telemetry import low_precision_recorders
+
+    return low_precision_recorders
+
+
 def replaced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(fqn, module)`` of the modules holding low-precision weights (class attribute
     ``low_precision_weight_names``: ``LowPrecisionLinear``, ``DeepseekV3LowPrecisionExperts``).
@@ -134,47 +145,6 @@ def replaced_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if getattr(type(module), "low_precision_weight_names", None) is not None:
             out.append((fqn.replace("_checkpoint_wrapped_module.", ""), module))
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# GEMM roles
-
-
-class GemmRoleCounter:
-    """Counts low-precision GEMM trace events per role and per backend while active.
-
-    Attributes:
-        roles: ``{"dense.fprop": n, ...}`` (all six keys, zeros included).
-        backends: ``{"emulated": n}`` — the backend that computed each GEMM.
-        formats: ``{"mxfp8_e4m3": n}``.
-        unlabelled: Events issued without a declared role.
-    """
-
-    def __init__(self) -> None:
-        self.roles: dict[str, int] = dict.fromkeys(GEMM_ROLE_KEYS, 0)
-        self.backends: Counter[str] = Counter()
-        self.formats: Counter[str] = Counter()
-        self.unlabelled = 0
-        self._handle: Any = None
-
-    def _observe(self, event: Any) -> None:
-        if event.gemm_role is None:
-            self.unlabelled += 1
-        else:
-            self.roles[event.gemm_role.value.replace("_", ".", 1)] += 1
-        self.backends[event.backend] += 1
-        self.formats[event.format] += 1
-
-    def __enter__(self) -> GemmRoleCounter:
-        from lp_lightning.ops import add_gemm_observer  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
-
-        self._handle = add_gemm_observer(self._observe)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,9 +213,7 @@ class HighPrecisionGemmProbe(Callback):
         }
 
     def _classify(self, func: Any) -> None:
-        from lp_lightning.ops import current_gemm_role  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
-
-        if current_gemm_role() is not None:
+        if low_precision_recorders().current_gemm_role() is not None:
             return  # a low-precision GEMM entry point (emulated: FP32 matmul of decoded operands)
         where = None
         if self._replaced_depth > 0:
@@ -281,22 +249,19 @@ class HighPrecisionGemmProbe(Callback):
         """
         if self._mode is not None:
             raise RuntimeError("HighPrecisionGemmProbe is already active.")
+        stack = low_precision_recorders()
         replaced = replaced_modules(model)
         self.watched_modules = len(replaced)
         if replaced:
-            from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
-
-            self._backward_nodes = LOW_PRECISION_BACKWARD_NODES
+            self._backward_nodes = stack.LOW_PRECISION_BACKWARD_NODES
         for module in model.modules():
             self._handles.append(module.register_forward_pre_hook(self._enter("_forward_depth")))
             self._handles.append(module.register_forward_hook(self._exit("_forward_depth"), always_call=True))
         for _, module in replaced:
             self._handles.append(module.register_forward_pre_hook(self._enter("_replaced_depth")))
             self._handles.append(module.register_forward_hook(self._exit("_replaced_depth"), always_call=True))
-        from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
-
-        self._compiled_before = compiled_kernels_enabled()
-        set_compiled_kernels(False)
+        self._compiled_before = stack.compiled_kernels_enabled()
+        stack.set_compiled_kernels(False)
         self._mode = _HighPrecisionGemmMode(self)
         self._mode.__enter__()
 
@@ -309,9 +274,7 @@ class HighPrecisionGemmProbe(Callback):
             handle.remove()
         self._handles.clear()
         if self._compiled_before is not None:
-            from lp_lightning.formats import set_compiled_kernels  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
-
-            set_compiled_kernels(self._compiled_before)
+            low_precision_recorders().set_compiled_kernels(self._compiled_before)
             self._compiled_before = None
 
     @override
@@ -325,59 +288,6 @@ class HighPrecisionGemmProbe(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self.stop()
-
-
-# ------------------------------------------------------------------------------------------------
-# Refreshes
-
-
-class RefreshCounter:
-    """Storage builds of low-precision weights, split per optimizer step (wraps ``RefreshRecorder``).
-
-    Call :meth:`close_step` at the end of every optimizer step.
-
-    Attributes:
-        per_step: Builds during each closed step (a skipped step closes with 0).
-        max_per_weight: Largest number of builds of one weight within one step.
-        min_per_weight: Smallest number of builds of a weight within a step, over the weights
-            built in that step, ``None`` before any build.
-    """
-
-    def __init__(self) -> None:
-        from lp_lightning.fsdp.refresh import RefreshRecorder  # noqa: PLC0415 - low-precision stack: a bf16 run imports none of it
-
-        self._recorder = RefreshRecorder()
-        self._seen = 0
-        self.per_step: list[int] = []
-        self.max_per_weight = 0
-        self.min_per_weight: int | None = None
-        self.weights_per_step: list[int] = []
-
-    def __enter__(self) -> RefreshCounter:
-        self._recorder.__enter__()
-        self._active = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if getattr(self, "_active", False):
-            self._recorder.__exit__(*exc)
-            self._active = False
-
-    def close_step(self) -> None:
-        """Attribute the builds since the previous call to the step that just ended."""
-        events = self._recorder.events[self._seen :]
-        self._seen = len(self._recorder.events)
-        self.per_step.append(len(events))
-        counts = Counter(events)
-        self.weights_per_step.append(len(counts))
-        if counts:
-            self.max_per_weight = max(self.max_per_weight, max(counts.values()))
-            low = min(counts.values())
-            self.min_per_weight = low if self.min_per_weight is None else min(self.min_per_weight, low)
-
-    def discard_pending(self) -> None:
-        """Forget builds since the last step boundary (e.g. during validation)."""
-        self._seen = len(self._recorder.events)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,13 +29,7 @@ from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV, PeriodicChec
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
-from lp_lightning.telemetry.probes import (
-    GEMM_ROLE_KEYS,
-    GemmRoleCounter,
-    HighPrecisionGemmProbe,
-    RefreshCounter,
-    WireRecorder,
-)
+from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
 from lp_lightning.telemetry.schema import RunSummary
 from lp_lightning.versions import software_versions
 
@@ -230,8 +224,9 @@ class RunSummaryCallback(Callback):
         self._skipped_at_start = plugin.optimizer_steps_skipped if plugin is not None else 0
         self._events_at_start = len(plugin.guard.events) if plugin is not None else 0
         if plugin is not None and plugin.policy.enabled:  # bf16 imports nothing of the low-precision stack
-            self._gemms = GemmRoleCounter().__enter__()
-            self._refresh = RefreshCounter().__enter__()
+            recorders = low_precision_recorders()
+            self._gemms = recorders.GemmRoleCounter().__enter__()
+            self._refresh = recorders.RefreshCounter().__enter__()
         if self.wire:
             mp_policy = plugin.fsdp_mixed_precision_policy() if plugin is not None else None
             self._wire = WireRecorder(plain_dtype=(mp_policy.param_dtype if mp_policy is not None else None)

@@ -25,8 +25,8 @@ from fake_npu_device import FakeTorchNpu, add_device_apis, install, map_devices_
 
 import lp_lightning.models.deepseek_v3 as deepseek_v3
 from lp_lightning.cli import main
-from lp_lightning.formats.hif8.quantizer import HiF8Quantizer
-from lp_lightning.formats.mxfp8.quantizer import MXFP8Quantizer
+from lp_lightning.formats.hif8 import HiF8Quantizer
+from lp_lightning.formats.mxfp8 import MXFP8Quantizer
 from lp_lightning.ops import backend as op_backend
 from lp_lightning.ops.npu_capability import REQUIRED_DTYPES, REQUIRED_OPS
 

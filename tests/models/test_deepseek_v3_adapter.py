@@ -22,10 +22,10 @@ from lp_lightning.models.deepseek_v3.adapter import (
     DEEPSEEK_V3_EXPERTS_FACTORY,
     DEEPSEEK_V3_EXPERTS_TYPE,
     decoder_layers,
-    deepseek_v3_default_rules,
     modules_kept_in_fp32,
     resolve_causal_lm,
 )
+from lp_lightning.models.deepseek_v3.rules import deepseek_v3_default_rules
 from lp_lightning.plan import NeverReplaceRule, compile_plan, load_rules
 from lp_lightning.policy import LowPrecisionConfig
 

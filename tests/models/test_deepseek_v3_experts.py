@@ -31,7 +31,7 @@ from lp_lightning.formats import recipe_for, set_compiled_kernels
 from lp_lightning.fsdp.weights import finalize_low_precision_weights
 from lp_lightning.functional import grouped_linear, linear, low_precision_grouped_swiglu
 from lp_lightning.models.deepseek_v3 import from_hf_config
-from lp_lightning.models.deepseek_v3.adapter import deepseek_v3_default_rules
+from lp_lightning.models.deepseek_v3.rules import deepseek_v3_default_rules
 from lp_lightning.models.deepseek_v3.experts import (
     DeepseekV3LowPrecisionExperts,
     replace_deepseek_v3_low_precision_experts,

@@ -58,16 +58,16 @@ _BROKEN = next((broken for run, broken in _RUNS.items() if any(a.endswith(f"/run
 
 if _BROKEN == "unreplaced_target":
     import dataclasses
-    import lp_lightning.models.deepseek_v3.adapter as adapter
+    import lp_lightning.models.deepseek_v3.rules as dsv3_rules
 
-    _rules = adapter.deepseek_v3_default_rules
+    _rules = dsv3_rules.deepseek_v3_default_rules
 
     def deepseek_v3_default_rules(*args, **kwargs):
         rules = list(_rules(*args, **kwargs))
         rules[0] = dataclasses.replace(rules[0], match=tuple(m for m in rules[0].match if m != _TARGET))
         return tuple(rules)
 
-    adapter.deepseek_v3_default_rules = deepseek_v3_default_rules
+    dsv3_rules.deepseek_v3_default_rules = deepseek_v3_default_rules
 
 elif _BROKEN == "hp_gather":
     import lp_lightning.functional.linear as linear

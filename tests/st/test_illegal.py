@@ -17,15 +17,8 @@ from pathlib import Path
 import pytest
 
 from lp_lightning.cli import main
-from lp_lightning.st.illegal import (
-    ILLEGAL_CASES,
-    SECTION15_ROWS,
-    STAGES,
-    IllegalCase,
-    judge,
-    observed_stage,
-    run_illegal_cases,
-)
+from lp_lightning.st.illegal import judge, observed_stage, run_illegal_cases
+from lp_lightning.st.illegal_cases import ILLEGAL_CASES, SECTION15_ROWS, STAGES, IllegalCase
 
 DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 CASES = {case.id: case for case in ILLEGAL_CASES}

@@ -1,9 +1,9 @@
 """HiF8 (HiFloat8, arXiv 2409.16626) with FP32 current scaling, one package.
 
 - :mod:`~lp_lightning.formats.hif8.codec` — bit-exact encode/decode of HiFloat8 codes;
-- :mod:`~lp_lightning.formats.hif8.quantizer` — ``HiF8Quantizer`` and the v1 recipe;
 - :mod:`~lp_lightning.formats.hif8.spec` — ``SPEC``, what the generic layers need to know
-  (scale shapes, exact GEMM factors, per-tensor/per-group amax scope, SQNR floors).
+  (scale shapes, exact GEMM factors, per-tensor/per-group amax scope, SQNR floors),
+  ``HiF8Quantizer`` and the v1 recipe.
 
 The codec's public functions and constants are re-exported here (``hif8.encode(x)``).
 """
@@ -22,8 +22,7 @@ from lp_lightning.formats.hif8.codec import (
     decode,
     encode,
 )
-from lp_lightning.formats.hif8.quantizer import HIF8_CURRENT, HiF8Quantizer
-from lp_lightning.formats.hif8.spec import SPEC, HiF8Spec
+from lp_lightning.formats.hif8.spec import HIF8_CURRENT, SPEC, HiF8Quantizer, HiF8Spec
 
 __all__ = [
     "FORMAT_MAX_GRADIENT",

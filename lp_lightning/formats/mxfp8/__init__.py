@@ -2,9 +2,9 @@
 
 - :mod:`~lp_lightning.formats.mxfp8.codec` — bit-exact quantize/dequantize, row/col/grouped;
 - :mod:`~lp_lightning.formats.mxfp8.e8m0` — E8M0 scales and the RCEIL rule;
-- :mod:`~lp_lightning.formats.mxfp8.quantizer` — ``MXFP8Quantizer`` and the v1 recipe;
 - :mod:`~lp_lightning.formats.mxfp8.spec` — ``SPEC``, what the generic layers need to know
-  (scale shapes, exact GEMM factors, per-block amax scope, the §9.1 shard rule, SQNR floors).
+  (scale shapes, exact GEMM factors, per-block amax scope, the §9.1 shard rule, SQNR floors),
+  ``MXFP8Quantizer`` and the v1 recipe.
 
 The codec's functions are re-exported here (``mxfp8.quantize(x, orientation="row")``).
 """
@@ -19,8 +19,7 @@ from lp_lightning.formats.mxfp8.codec import (
     quantize_grouped,
     scale_shape,
 )
-from lp_lightning.formats.mxfp8.quantizer import MXFP8_E4M3_MX_BLOCK, MXFP8Quantizer
-from lp_lightning.formats.mxfp8.spec import SPEC, MXFP8Spec
+from lp_lightning.formats.mxfp8.spec import MXFP8_E4M3_MX_BLOCK, SPEC, MXFP8Quantizer, MXFP8Spec
 
 __all__ = [
     "BLOCK_SIZE",

@@ -48,14 +48,16 @@ in backward, the saved tensors of the one layer being recomputed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lp_lightning.formats.spec import FormatSpec
 from lp_lightning.models.adapter import ActivationTerms
-from lp_lightning.tensor.storage import nbytes
+
+if TYPE_CHECKING:
+    from lp_lightning.formats.spec import FormatSpec
 
 __all__ = ["deepseek_v3_activations"]
 
@@ -115,7 +117,7 @@ class _Counter:
         """A saved ``INPUT_BWD`` col operand ``[rows, cols]`` (8-bit data and the format's scale)."""
         assert self.fmt is not None
         scale = self.fmt.scale_shape((rows, cols), "col", group_counts)
-        return rows * cols * self.fmt.data_dtype.itemsize + nbytes(scale, self.fmt.scale_dtype)
+        return rows * cols * self.fmt.data_dtype.itemsize + math.prod(scale) * self.fmt.scale_dtype.itemsize
 
     def linear_inputs(self, fqns: list[str], cols: int) -> int:
         """Linears reading one ``[T, cols]`` tensor: one high-precision copy shared, one operand each low-precision."""

@@ -3,10 +3,11 @@
 :data:`DEEPSEEK_V3` (a :class:`DeepseekV3Adapter`, registered by :mod:`lp_lightning.models`) gives the
 replacement plan, the FSDP2 application and the precision plugin:
 
-- the default replacement rules (:func:`deepseek_v3_default_rules`: every MLA projection, the dense
-  MLP and shared-expert Linears, the routed experts; design spec §1.1, §4.3);
-- the never-replace rules (:func:`deepseek_v3_never_replace`: LM head, embedding, MoE router,
-  norms, rotary embedding, core attention);
+- the default replacement rules
+  (:func:`~lp_lightning.models.deepseek_v3.rules.deepseek_v3_default_rules`: every MLA projection,
+  the dense MLP and shared-expert Linears, the routed experts; design spec §1.1, §4.3);
+- the never-replace rules (:func:`~lp_lightning.models.deepseek_v3.rules.deepseek_v3_never_replace`:
+  LM head, embedding, MoE router, norms, rotary embedding, core attention);
 - the causal LM inside a module or wrapper (:func:`resolve_causal_lm`), its decoder layers
   ``model.layers`` (:func:`decoder_layers`, the FSDP2 and recompute units), the MoE routers HF keeps
   in FP32 (:func:`modules_kept_in_fp32`), and the meta twin the plan is compiled on
@@ -21,30 +22,31 @@ and the planner, the acceptance harness and the CLI:
   (:func:`~lp_lightning.models.deepseek_v3.activations.deepseek_v3_activations`).
 
 Nothing low-precision is imported here: the routed-experts factory is the dotted path
-:data:`DEEPSEEK_V3_EXPERTS_FACTORY`, imported by ``plan.apply`` only (mxfp8/hif8 runs). The plan
-itself (:mod:`lp_lightning.plan`) is imported only when its rules are asked for, so a ``bf16`` run,
-which uses the structure lookups alone, imports no part of it (design spec §13.1).
+:data:`DEEPSEEK_V3_EXPERTS_FACTORY`, imported by ``plan.apply`` only (mxfp8/hif8 runs). The rules
+are :mod:`lp_lightning.plan` objects, built in :mod:`lp_lightning.models.deepseek_v3.rules`, which
+is loaded only when they are asked for, so a ``bf16`` run, which uses the structure lookups alone,
+imports no part of the plan (design spec §13.1).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Collection, Mapping
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from lp_lightning.models.adapter import LINEAR_FACTORY, ActivationTerms, hf_model_type
+from lp_lightning.models.adapter import ActivationTerms, hf_model_type
+from lp_lightning.models.deepseek_v3.activations import deepseek_v3_activations
 from lp_lightning.models.deepseek_v3.spec import SPECS, build_meta_model
 
 if TYPE_CHECKING:
     from lp_lightning.formats.spec import FormatSpec
-    # Imported here: the plan is loaded by whoever compiles one, never by a bf16 run.
-    from lp_lightning.plan import NeverReplaceRule, ReplacementFactory, ReplacementRule
+    from lp_lightning.plan import NeverReplaceRule, ReplacementRule
 
 __all__ = [
     "DEEPSEEK_V3",
@@ -53,8 +55,6 @@ __all__ = [
     "DEEPSEEK_V3_GLOB_HINT",
     "DeepseekV3Adapter",
     "decoder_layers",
-    "deepseek_v3_default_rules",
-    "deepseek_v3_never_replace",
     "deepseek_v3_target_groups",
     "modules_kept_in_fp32",
     "resolve_causal_lm",
@@ -68,131 +68,8 @@ DEEPSEEK_V3_EXPERTS_FACTORY = (
 DEEPSEEK_V3_EXPERTS_TYPE = "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts"
 """Dotted path of HF's routed-experts container (stacked ``gate_up_proj [E, 2F, H]``, ``down_proj [E, H, F]``)."""
 
-@functools.cache
-def deepseek_v3_never_replace() -> tuple[NeverReplaceRule, ...]:
-    """Modules of a DeepSeek-V3 model that stay high precision whatever the rules say (design spec §1.1).
-
-    LM head, embedding, MoE router (``mlp.gate``, ``DeepseekV3TopkRouter``), norms, rotary
-    embedding and core attention (``self_attn``). A rule that selects such a module, or a module
-    containing one, fails at compile time. The class-name globs catch a renamed router, rotary
-    embedding or attention module as well; embeddings and norms are refused by type by the plan
-    itself.
-    """
-    from lp_lightning.plan import NeverReplaceRule
-
-    return (
-        NeverReplaceRule(reason="LM head", fqn_globs=("lm_head", "*.lm_head")),
-        NeverReplaceRule(reason="embedding", fqn_globs=("*embed_tokens",)),
-        NeverReplaceRule(reason="MoE router", fqn_globs=("*.mlp.gate",), type_names=("*Router",)),
-        NeverReplaceRule(reason="normalization", fqn_globs=("*norm",)),
-        NeverReplaceRule(reason="rotary embedding", fqn_globs=("*rotary_emb",), type_names=("*RotaryEmbedding",)),
-        NeverReplaceRule(
-            reason="core attention (QK, softmax, PV)", fqn_globs=("*.self_attn",), type_names=("*Attention",)
-        ),
-    )
-
-
 DEEPSEEK_V3_GLOB_HINT = "for DeepSeek-V3, q_lora_rank set means q_a_proj/q_b_proj instead of q_proj"
 """Appended to the plan's zero-hit glob error."""
-
-
-def _config_value(config: Any, key: str) -> Any:
-    if isinstance(config, Mapping):
-        if key not in config:
-            raise ValueError(f"DeepSeek-V3 config has no {key!r}; it is needed to list the replacement targets.")
-        return config[key]
-    if not hasattr(config, key):
-        raise ValueError(
-            f"DeepSeek-V3 config {type(config).__name__} has no {key!r}; it is needed to list the "
-            "replacement targets."
-        )
-    return getattr(config, key)
-
-
-def deepseek_v3_default_rules(
-    config: Any,
-    *,
-    linear_factory: str | ReplacementFactory = LINEAR_FACTORY,
-    experts_factory: str | ReplacementFactory = DEEPSEEK_V3_EXPERTS_FACTORY,
-) -> tuple[ReplacementRule, ...]:
-    """The default DeepSeek-V3 rules with every target listed by its full FQN (design spec §1.1, §4.3).
-
-    Four rules (names are the keys of the report's counts):
-
-    - ``mla_projections``: per layer ``self_attn.q_proj`` (``q_lora_rank`` null) or
-      ``self_attn.q_a_proj`` + ``self_attn.q_b_proj`` (``q_lora_rank`` set), plus
-      ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; exact ``nn.Linear``.
-    - ``dense_mlp``: ``mlp.{gate,up,down}_proj`` of layers ``0 .. first_k_dense_replace-1``.
-    - ``shared_experts``: ``mlp.shared_experts.{gate,up,down}_proj`` of the MoE layers.
-    - ``routed_experts``: ``mlp.experts`` of the MoE layers, exact ``DeepseekV3Experts``.
-
-    For the frozen 16B spec (28 layers, 1 dense, q_lora_rank null) that is 112 / 3 / 81 / 27
-    targets; ``configs/plan_deepseek_v3.yaml`` is the same plan for dsv3-16b as a ``plan_overrides`` YAML.
-
-    Args:
-        config: A ``DeepseekV3Config`` (or a mapping) with ``num_hidden_layers``,
-            ``first_k_dense_replace`` and ``q_lora_rank``.
-        linear_factory: Factory for the Linear rules (dotted path or callable).
-        experts_factory: Factory for the routed-experts rule (dotted path or callable).
-
-    Returns:
-        The four rules, in the order above (``dense_mlp`` is omitted when there is no dense layer,
-        ``shared_experts``/``routed_experts`` when there is no MoE layer).
-
-    Raises:
-        ValueError: a config field is missing or out of range.
-    """
-    # Imported here: the plan is loaded by whoever compiles one, never by a bf16 run.
-    from lp_lightning.plan import ReplacementRule
-
-    num_layers = _config_value(config, "num_hidden_layers")
-    first_dense = _config_value(config, "first_k_dense_replace")
-    q_lora_rank = _config_value(config, "q_lora_rank")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_hidden_layers must be a positive int, got {num_layers!r}.")
-    if not isinstance(first_dense, int) or not 0 <= first_dense <= num_layers:
-        raise ValueError(
-            f"first_k_dense_replace must be an int in [0, num_hidden_layers={num_layers}], got {first_dense!r}."
-        )
-    q_names = ("q_proj",) if q_lora_rank is None else ("q_a_proj", "q_b_proj")
-    mla_names = (*q_names, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-    mlp_names = ("gate_proj", "up_proj", "down_proj")
-    dense_layers = range(first_dense)
-    moe_layers = range(first_dense, num_layers)
-    linear = {"module_type": "torch.nn.Linear", "exact_type": True, "replace_module": linear_factory}
-    rules = [
-        ReplacementRule(
-            name="mla_projections",
-            match=tuple(f"model.layers.{i}.self_attn.{n}" for i in range(num_layers) for n in mla_names),
-            **linear,
-        )
-    ]
-    if dense_layers:
-        rules.append(
-            ReplacementRule(
-                name="dense_mlp",
-                match=tuple(f"model.layers.{i}.mlp.{n}" for i in dense_layers for n in mlp_names),
-                **linear,
-            )
-        )
-    if moe_layers:
-        rules.append(
-            ReplacementRule(
-                name="shared_experts",
-                match=tuple(f"model.layers.{i}.mlp.shared_experts.{n}" for i in moe_layers for n in mlp_names),
-                **linear,
-            )
-        )
-        rules.append(
-            ReplacementRule(
-                name="routed_experts",
-                match=tuple(f"model.layers.{i}.mlp.experts" for i in moe_layers),
-                module_type=DEEPSEEK_V3_EXPERTS_TYPE,
-                exact_type=True,
-                replace_module=experts_factory,
-            )
-        )
-    return tuple(rules)
 
 
 def deepseek_v3_target_groups(model: nn.Module) -> dict[str, list[str]]:
@@ -297,8 +174,8 @@ class DeepseekV3Adapter:
 
     @property
     def never_replace(self) -> tuple[NeverReplaceRule, ...]:
-        """See :func:`deepseek_v3_never_replace` (imports :mod:`lp_lightning.plan`)."""
-        return deepseek_v3_never_replace()
+        """See :func:`~lp_lightning.models.deepseek_v3.rules.deepseek_v3_never_replace` (imports :mod:`lp_lightning.plan`)."""
+        return _rules().deepseek_v3_never_replace()
 
     def matches(self, model: nn.Module) -> bool:
         """Whether the HF ``config.model_type`` of ``model`` (or of a wrapper's ``.model``) is ``deepseek_v3``."""
@@ -317,8 +194,8 @@ class DeepseekV3Adapter:
         return modules_kept_in_fp32(causal_lm)
 
     def default_replacement_rules(self, config: Any) -> tuple[ReplacementRule, ...]:
-        """See :func:`deepseek_v3_default_rules` (default factories)."""
-        return deepseek_v3_default_rules(config)
+        """See :func:`~lp_lightning.models.deepseek_v3.rules.deepseek_v3_default_rules` (default factories)."""
+        return _rules().deepseek_v3_default_rules(config)
 
     def build_meta_twin(self, causal_lm: nn.Module) -> nn.Module:
         """``build_meta_model`` of ``causal_lm``'s config with its attention backend (``sdpa`` when unset)."""
@@ -351,9 +228,6 @@ class DeepseekV3Adapter:
         activation_dtype: torch.dtype,
     ) -> ActivationTerms:
         """See :func:`~lp_lightning.models.deepseek_v3.activations.deepseek_v3_activations`."""
-        # Reads format specs and storage sizes: loaded by the planner only, never by a bf16 fit (design spec §13.1).
-        from lp_lightning.models.deepseek_v3.activations import deepseek_v3_activations
-
         return deepseek_v3_activations(
             config, micro_batch_size=micro_batch_size, seq_len=seq_len, low_precision_modules=low_precision_modules,
             format=format, activation_dtype=activation_dtype,
@@ -361,6 +235,14 @@ class DeepseekV3Adapter:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _rules() -> ModuleType:
+    """:mod:`lp_lightning.models.deepseek_v3.rules`, the adapter's replacement and never-replace rules."""
+    # Imported here: the rules are lp_lightning.plan objects, which a bf16 run never loads.
+    from lp_lightning.models.deepseek_v3 import rules
+
+    return rules
 
 
 DEEPSEEK_V3 = DeepseekV3Adapter()
