@@ -238,16 +238,14 @@ class TensorMemoryProbe(ProbeCallback):
         self._tracker, self._active, self._best = None, False, {}
         self._per_step: list[dict[str, Any]] = []
         self._keep(register_optimizer_step_post_hook(self._note_optimizer))
-        tensor, ops = self._module("lp_lightning.tensor"), self._module("lp_lightning.ops")
-        if tensor is not None:
-            self._keep(tensor.add_refresh_observer(self._relabel_refreshed))
-        if ops is not None:
-            self._keep(ops.add_range_observer(self._note_range))
-        formats = self._module("lp_lightning.formats")
+        hooks = self._recorders()
         self._compiled_before: bool | None = None
-        if formats is not None:  # a dispatch mode disables torch.compile: say so by running eager
-            self._compiled_before = formats.compiled_kernels_enabled()
-            formats.set_compiled_kernels(False)
+        if hooks is not None:
+            self._keep(hooks.add_refresh_observer(self._relabel_refreshed))
+            self._keep(hooks.add_range_observer(self._note_range))
+            # A dispatch mode disables torch.compile: say so by running eager.
+            self._compiled_before = hooks.compiled_kernels_enabled()
+            hooks.set_compiled_kernels(False)
 
     def _note_optimizer(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if not any(optimizer is known for known in self._optimizers):
@@ -306,13 +304,13 @@ class TensorMemoryProbe(ProbeCallback):
             self._tracker.track_inputs((batch,))
 
     def _low_precision_storage_bytes(self) -> int:
-        tensor = self._module("lp_lightning.tensor")
-        if tensor is None:
+        hooks = self._recorders()
+        if hooks is None:
             return 0
         storages: dict[int, int] = {}
         for param in self._root.parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
-            if tensor.is_low_precision_weight(local):
+            if hooks.is_low_precision_weight(local):
                 for t in local.low_precision_storage.values():
                     storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         return sum(storages.values())
@@ -343,7 +341,7 @@ class TensorMemoryProbe(ProbeCallback):
     def _on_stop(self) -> None:
         self._leave()
         if getattr(self, "_compiled_before", None) is not None:
-            self._module("lp_lightning.formats").set_compiled_kernels(self._compiled_before)
+            self._recorders().set_compiled_kernels(self._compiled_before)
             self._compiled_before = None
 
     def _payload(self) -> dict[str, Any]:

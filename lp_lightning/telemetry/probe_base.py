@@ -9,7 +9,6 @@ and writes its JSON file. The probes and the file formats are described in
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import time
@@ -23,6 +22,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
+
+from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.telemetry.probes import low_precision_recorders
 
 __all__ = ["ProbeCallback", "StepInfo"]
 
@@ -77,7 +79,7 @@ class ProbeCallback(Callback):
         self.sample_every = sample_every
         self.path: Path | None = None
         self.result: dict[str, Any] | None = None
-        self._plugin: Any = None
+        self._plugin: FSDP2PrecisionPlugin | None = None
         self._model: nn.Module | None = None
         self._dir: Path | None = None
         self._log: Callable[[dict[str, float], int], None] | None = None
@@ -98,18 +100,21 @@ class ProbeCallback(Callback):
         """The open step is sampled."""
         return self._sampled and self.in_step
 
-    def _module(self, name: str) -> Any:
-        """``name`` imported in a low-precision run, else None (a bf16 run imports nothing low-precision)."""
-        return importlib.import_module(name) if self._low_precision else None
+    def _recorders(self) -> Any:
+        """:mod:`~lp_lightning.telemetry.low_precision_recorders` (the low-precision event hooks) in a low-precision
+        run, else None (a bf16 run imports nothing low-precision)."""
+        return low_precision_recorders() if self._low_precision else None
 
     def _begin(self, *, model: nn.Module | None, rank: int, world_size: int, out_dir: Path, plugin: Any,
                global_step: int, device: torch.device, log: Callable[[dict[str, float], int], None] | None,
                driver: str) -> None:
         self._stop_all()
         self._model, self._rank, self._world_size, self._dir = model, rank, world_size, out_dir
-        self._plugin, self._device, self._log, self._driver = plugin, device, log, driver
-        policy = getattr(plugin, "policy", None)
-        self._low_precision = bool(policy.enabled) if policy is not None else "lp_lightning.ops.trace" in sys.modules
+        # The lp-lightning plugin, read through its typed attributes (None under another plugin).
+        self._plugin = plugin if isinstance(plugin, FSDP2PrecisionPlugin) else None
+        self._device, self._log, self._driver = device, log, driver
+        self._low_precision = (self._plugin.policy.enabled if self._plugin is not None
+                               else "lp_lightning.ops.trace" in sys.modules)
         self._first_step: int | None = None
         self._start_global_step = global_step
         self._steps, self._sampled_steps = 0, []
@@ -124,14 +129,14 @@ class ProbeCallback(Callback):
         self._step, self._global_before = number, done
         self._sampled = number == self._first_step or number % self.sample_every == 0
         self._micro, self._local_tokens = 0, 0
-        self._skipped_before = getattr(self._plugin, "optimizer_steps_skipped", None)
+        self._skipped_before = self._plugin.optimizer_steps_skipped if self._plugin is not None else None
         self._t0 = time.perf_counter()
         self._on_step_start()
 
     def _close_step(self, *, loss: Any, grad_norm: Any, tokens: int | None) -> None:
         assert self._step is not None
         elapsed = time.perf_counter() - self._t0
-        skipped_now = getattr(self._plugin, "optimizer_steps_skipped", None)
+        skipped_now = self._plugin.optimizer_steps_skipped if self._plugin is not None else None
         skipped = None if skipped_now is None or self._skipped_before is None else skipped_now > self._skipped_before
         info = StepInfo(self._step, _float(loss), _float(grad_norm), tokens, self._micro, elapsed, skipped)
         scalars = self._on_step_end(info)
@@ -283,7 +288,7 @@ class ProbeCallback(Callback):
         log = (lambda scalars, step: fabric.log_dict(scalars, step=step)) if fabric is not None else None
         self._begin(model=model, rank=fabric.global_rank if rank is None else rank,
                     world_size=fabric.world_size if world_size is None else world_size, out_dir=Path(folder),
-                    plugin=getattr(getattr(fabric, "strategy", None), "precision", None), global_step=global_step,
+                    plugin=fabric.strategy.precision if fabric is not None else None, global_step=global_step,
                     device=device, log=log, driver="fabric")
 
     def on_probe_step_start(self, step: int) -> None:

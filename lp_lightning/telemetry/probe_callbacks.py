@@ -141,10 +141,10 @@ class RefreshProbe(ProbeCallback):
         self._fwd_bwd = self._outside = 0
         self._depth = 0
         self._micro_counts: list[int] = []
-        tensor = self._module("lp_lightning.tensor")
-        if tensor is None:
+        hooks = self._recorders()
+        if hooks is None:
             return
-        self._keep(tensor.add_refresh_observer(self._observe))
+        self._keep(hooks.add_refresh_observer(self._observe))
         if self._model is not None:  # "a module forward is running" (also the recompute of checkpointing)
             for module in self._model.modules():
                 self._keep(module.register_forward_pre_hook(self._enter))
@@ -179,7 +179,7 @@ class RefreshProbe(ProbeCallback):
         return {"refreshes": total}
 
     def _payload(self) -> dict[str, Any]:
-        refreshes = getattr(self._plugin, "refreshes", {}) or {}
+        refreshes = self._plugin.refreshes if self._plugin is not None else {}
         return {
             "per_step": self._per_step,
             "micro_step_refreshes": self._micro_total if self._driver == "trainer" else None,
@@ -187,7 +187,7 @@ class RefreshProbe(ProbeCallback):
             "outside_steps": self._outside,
             "startup": refreshes.get("startup", 0),
             "resume": refreshes.get("resume", 0),
-            "low_precision_weights": len(getattr(self._plugin, "low_precision_weights", ()) or ()),
+            "low_precision_weights": len(self._plugin.low_precision_weights) if self._plugin is not None else 0,
             "micro_batches_per_step": max(self._micro_counts, default=None),
         }
 
@@ -207,9 +207,9 @@ class GemmTraceProbe(ProbeCallback):
         self._events: list[dict[str, Any]] = []
         self._fqns: defaultdict[str, set[str]] = defaultdict(set)
         self._unlabelled = self._step_gemms = 0
-        ops = self._module("lp_lightning.ops")
-        if ops is not None:
-            self._keep(ops.add_gemm_observer(self._observe))
+        hooks = self._recorders()
+        if hooks is not None:
+            self._keep(hooks.add_gemm_observer(self._observe))
 
     def _observe(self, event: Any) -> None:
         if not self.in_step:
@@ -264,9 +264,9 @@ class GatherTraceProbe(ProbeCallback):
         self._per_step: list[dict[str, int]] = []
         self._events: list[dict[str, Any]] = []
         self._pre = self._post = 0
-        gather = self._module("lp_lightning.fsdp.gather")
-        if gather is not None:
-            self._keep(gather.add_gather_observer(self._observe))
+        hooks = self._recorders()
+        if hooks is not None:
+            self._keep(hooks.add_gather_observer(self._observe))
 
     def _observe(self, event: Any) -> None:
         if not self.in_step:

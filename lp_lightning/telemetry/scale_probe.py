@@ -37,11 +37,11 @@ class ScaleStatsProbe(ProbeCallback):
         self._hist: dict[str, torch.Tensor] = {}
         self._hist_dtype: str | None = None
         self._step_scalars: dict[str, float] = {}
-        self._ops = self._module("lp_lightning.ops")
+        self._hooks = self._recorders()
 
     def _on_step_start(self) -> None:
-        if self._sampled and self._ops is not None:
-            self._keep(self._ops.add_quantize_observer(self._observe))
+        if self._sampled and self._hooks is not None:
+            self._keep(self._hooks.add_quantize_observer(self._observe))
 
     def _observe(self, event: Any) -> None:
         if not self.in_step:
