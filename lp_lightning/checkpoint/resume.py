@@ -41,6 +41,12 @@ T = TypeVar("T")
 OnSkip = Callable[[Path, DamagedCheckpointError], None]
 """``on_skip(folder, error)``: told about each folder a resolution passes over."""
 
+CLI_FALLBACK = "pass --ckpt_path last"
+"""How an ``lp-lightning fit`` user asks for the fallback (the fix texts name it)."""
+
+CLI_FRESH = "start without --ckpt_path"
+"""How an ``lp-lightning fit`` user starts fresh."""
+
 
 def checkpoint_folders(folder: str | Path) -> list[Path]:
     """The ``step-*`` checkpoint folders under ``folder``, most recently written first.
@@ -103,18 +109,20 @@ def older_checkpoints(path: str | Path) -> list[Path]:
     return folders
 
 
-def damaged_fix(path: str | Path, *, content: bool) -> str:
+def damaged_fix(path: str | Path, *, content: bool, fallback: str = CLI_FALLBACK, fresh: str = CLI_FRESH) -> str:
     """The fix for a damaged ``path``: resume from the newest intact sibling (what ``last`` would load), or start fresh.
 
     Args:
         path: The damaged checkpoint folder.
         content: Check the siblings' file digests too (collective; the load does) or only the quick check (launch).
+        fallback, fresh: How the caller's user asks for the fallback / a fresh start (the CLI's by default;
+            Fabric's strategy names ``resume_fallback=True``).
     """
     path = Path(path)
     good = newest_intact_checkpoint(sibling_checkpoints(path), content=content)
     if good is None:
-        return f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path"
-    return f"the last good checkpoint is {str(good)!r}: resume from it (or pass --ckpt_path last)"
+        return f"no intact checkpoint is left under {str(path.parent)!r}; {fresh}"
+    return f"the last good checkpoint is {str(good)!r}: resume from it (or {fallback})"
 
 
 def latest_checkpoint(folder: str | Path, *, on_skip: OnSkip | None = None) -> Path | None:
@@ -142,7 +150,12 @@ def check_explicit_checkpoint(path: str | Path) -> None:
 
 
 def load_with_fallback(
-    path: str | Path, load: Callable[[Path], T], *, fallback: bool, on_skip: OnSkip | None = None
+    path: str | Path,
+    load: Callable[[Path], T],
+    *,
+    fallback: bool,
+    on_skip: OnSkip | None = None,
+    hints: tuple[str, str] = (CLI_FALLBACK, CLI_FRESH),
 ) -> tuple[T, Path]:
     """``load(path)``; on a damaged folder, fail naming the last good one or, with ``fallback``, load an older one.
 
@@ -155,6 +168,7 @@ def load_with_fallback(
         fallback: Try the ``step-*`` folders written before ``path``, newest first, until one loads
             (``--ckpt_path last``; the strategies' ``resume_fallback``).
         on_skip: Told about each damaged folder passed over (the strategies warn on rank 0).
+        hints: ``(fallback, fresh)`` of :func:`damaged_fix`: how the caller's user asks for either.
 
     Returns:
         ``(what load returned, the folder it loaded)``.
@@ -170,11 +184,9 @@ def load_with_fallback(
             return load(candidate), candidate
         except DamagedCheckpointError as err:
             if not fallback:
-                raise err.with_fix(damaged_fix(path, content=True)) from err
+                raise err.with_fix(damaged_fix(path, content=True, fallback=hints[0], fresh=hints[1])) from err
             if index + 1 == len(candidates):
-                raise err.with_fix(
-                    f"no intact checkpoint is left under {str(path.parent)!r}; start without --ckpt_path"
-                ) from err
+                raise err.with_fix(f"no intact checkpoint is left under {str(path.parent)!r}; {hints[1]}") from err
             if on_skip is not None:
                 on_skip(candidate, err)
     raise AssertionError("unreachable: candidates holds path")

@@ -345,7 +345,7 @@ class LPLightningCLI(LightningCLI):
         )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.every_n_steps": 20})
+        parser.set_defaults({"checkpoint.every_n_steps": 20, "model.activation_checkpoint": "off"})
         parser.add_lightning_class_args(RunSummaryCallback, "run_summary")
         parser.link_arguments("precision", "run_summary.precision")
         refused = {"trainer.strategy": ("strategy", "--fsdp_config"),

@@ -6,8 +6,9 @@ One package, two halves. What every run uses (torch only; a bf16 run imports not
   ``fully_shard`` → first refresh → recompute, the dp mesh, gradient norm and clipping;
 - :mod:`~lp_lightning.fsdp.optimizer` — ``check_optimizer``: AdamW over FP32 masters (design spec §15).
 
-The low-precision half, imported by its module path (the low-precision plugin and its
-:class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle` load it; nothing here imports it for a bf16 run):
+The low-precision half, imported by its module path and only on a low-precision path (the
+low-precision plugin and its :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle`, the
+low-precision launch check, the planner, the low-precision recorders); a bf16 run loads none of it:
 
 - :mod:`~lp_lightning.fsdp.weights` — finalize (FP32 master + the weight's gather spec), traversal,
   the state-dict hook (DCP holds FP32 masters under the HF keys);

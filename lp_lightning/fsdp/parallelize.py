@@ -355,6 +355,11 @@ def parallelize_causal_lm(
         causal_lm = _convert(causal_lm, convert_module)
         steps.append("convert_module")
 
+    if lifecycle is None and has_low_precision_weights(causal_lm):  # before anything else changes the model
+        raise TypeError(
+            f"{type(causal_lm).__name__} holds low-precision weights but parallelize_causal_lm got no lifecycle: "
+            "pass lifecycle=plugin.lifecycle (the low-precision precision plugin's LowPrecisionLifecycle)."
+        )
     fp32_compute = adapter.fp32_compute_modules(causal_lm)
     upcast = upcast_parameters_to_fp32(causal_lm)
     steps.append("upcast_fp32")
@@ -430,12 +435,7 @@ def _low_precision_sharding(
     input_dim_sharding: bool,
 ) -> LowPrecisionShardingPlan | None:
     """The shard-legality plan of the low-precision weights (design spec §9.1), ``None`` without any (bf16)."""
-    if lifecycle is None:
-        if has_low_precision_weights(causal_lm):
-            raise TypeError(
-                f"{type(causal_lm).__name__} holds low-precision weights but parallelize_causal_lm got no lifecycle: "
-                "pass lifecycle=plugin.lifecycle (the low-precision precision plugin's LowPrecisionLifecycle)."
-            )
+    if lifecycle is None:  # bf16 (parallelize_causal_lm refused low-precision weights without one)
         return None
     return lifecycle.plan_sharding(
         causal_lm, mesh.size(), fallback_to_unsharded=fallback_to_unsharded, input_dim_sharding=input_dim_sharding

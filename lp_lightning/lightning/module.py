@@ -87,7 +87,9 @@ class DeepSeekV3LM(pl.LightningModule):
             later, so both parts follow one schedule.
         min_lr_ratio: Final LR as a fraction of ``lr``.
         activation_checkpoint: ``"off"`` or ``"full"`` (recompute every decoder layer in
-            backward); applied by the strategy after sharding.
+            backward); applied by the strategy after sharding. ``None``: the strategy's
+            ``activation_checkpoint`` decides (``"off"`` when it is ``None`` too; ``lp-lightning fit``
+            defaults to ``"off"``).
 
     Attributes:
         model: The HF ``DeepseekV3ForCausalLM`` (``None`` until ``configure_model``).
@@ -110,10 +112,11 @@ class DeepSeekV3LM(pl.LightningModule):
         warmup_steps: int = 5,
         lr_decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
-        activation_checkpoint: ActivationCheckpointMode = "off",
+        activation_checkpoint: ActivationCheckpointMode | None = None,
     ) -> None:
         super().__init__()
-        check_activation_checkpoint(activation_checkpoint, "model.activation_checkpoint")
+        if activation_checkpoint is not None:
+            check_activation_checkpoint(activation_checkpoint, "model.activation_checkpoint")
         for name, value in (("lr", lr), ("eps", eps)):
             if not value > 0:
                 raise ValueError(f"model.{name} must be > 0, got {value}.")

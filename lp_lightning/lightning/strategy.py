@@ -77,7 +77,7 @@ from typing_extensions import override
 from lp_lightning.config import ActivationCheckpointMode, FSDP2Config, check_activation_checkpoint
 from lp_lightning.checkpoint.dcp import load_dcp_checkpoint, model_state_dict, optimizer_state_dict, save_dcp_checkpoint
 from lp_lightning.checkpoint.integrity import DamagedCheckpointError
-from lp_lightning.checkpoint.resume import load_with_fallback
+from lp_lightning.checkpoint.resume import CLI_FALLBACK, CLI_FRESH, load_with_fallback
 from lp_lightning.fsdp.parallelize import (
     ParallelizationRecord,
     build_dp_mesh,
@@ -115,10 +115,6 @@ def _resolve_causal_lm(module: nn.Module) -> nn.Module:
         TypeError: No model adapter describes ``module``, or it holds no causal LM.
     """
     return adapter_for(module).causal_lm(module)
-
-
-def _warn_skip(path: Path, err: DamagedCheckpointError) -> None:
-    rank_zero_warn(f"ckpt_path=last skips {str(path)!r} ({err.problem}); trying the previous one.")
 
 
 def _check_materialized(module: nn.Module) -> None:
@@ -228,11 +224,23 @@ class _FSDP2Common:
         self._record_parallelization(record, parallel_lm)
         return parallel_lm
 
+    _resume_hints: tuple[str, str, str]
+    """``(what skips, how to ask for the fallback, how to start fresh)`` in this strategy's user's words."""
+
     def _load_with_fallback(self, path: Path, load: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
         """``load(folder)`` through :func:`~lp_lightning.checkpoint.resume.load_with_fallback` (``resume_fallback``);
-        keeps the folder it loaded in ``loaded_checkpoint``."""
-        metadata, loaded = load_with_fallback(path, load, fallback=self.resume_fallback, on_skip=_warn_skip)
+        keeps the folder it loaded in ``loaded_checkpoint`` and says so when it is not ``path``."""
+        who, fallback, fresh = self._resume_hints
+
+        def warn_skip(folder: Path, err: DamagedCheckpointError) -> None:
+            rank_zero_warn(f"{who} skips {str(folder)!r} ({err.problem}); trying the previous one.")
+
+        metadata, loaded = load_with_fallback(
+            path, load, fallback=self.resume_fallback, on_skip=warn_skip, hints=(fallback, fresh)
+        )
         self.loaded_checkpoint = str(loaded)
+        if loaded != path:
+            rank_zero_info(f"{who}: loaded {str(loaded)!r} instead of the damaged {str(path)!r}.")
         return metadata
 
     def _startup_gate(self) -> None:
@@ -260,7 +268,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         fsdp_config: Sharding configuration (design spec §4.3); ``None`` means ``FSDP2Config()``.
         activation_checkpoint: ``"off"`` or ``"full"`` (per decoder layer); ``None``: the LightningModule's
             ``activation_checkpoint`` attribute (``DeepSeekV3LM(activation_checkpoint=...)``), ``"off"`` when
-            it has none. Given both, they must agree.
+            it has none or it is ``None``. Set on both, they must agree.
         process_group_backend: Override the backend (default: gloo/nccl/hccl by device type).
         timeout: Process-group timeout.
         resume_fallback: When the checkpoint to resume from is damaged (a file that does not match
@@ -268,6 +276,8 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             ``step-*`` folder written before it instead; ``lp-lightning fit --ckpt_path last`` sets
             it. ``False``: fail, naming the file and the last good checkpoint.
     """
+
+    _resume_hints = ("ckpt_path=last", CLI_FALLBACK, CLI_FRESH)  # the CLI builds this strategy
 
     def __init__(
         self,
@@ -387,7 +397,8 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         if declared is not None and declared != self.activation_checkpoint:
             raise ValueError(
                 f"{type(self).__name__}(activation_checkpoint={self.activation_checkpoint!r}) but "
-                f"{type(lm).__name__}.activation_checkpoint={declared!r}; set one of them (or both alike)."
+                f"{type(lm).__name__}.activation_checkpoint={declared!r}; set it in one place (the other None) or "
+                "the same in both."
             )
         return self.activation_checkpoint
 
@@ -505,6 +516,8 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             (there is no LightningModule to declare it).
         process_group_backend, timeout, resume_fallback: As for :class:`FSDP2Strategy`.
     """
+
+    _resume_hints = ("resume_fallback", "pass FSDP2FabricStrategy(resume_fallback=True)", "start without loading")
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lp_lightning.fsdp.parallelize import (
     build_dp_mesh,
     default_mixed_precision_policy,
+    is_parallelized,
     parallelize_causal_lm,
     process_group_backend_for,
     total_grad_norm,
@@ -171,3 +172,15 @@ def test_parallelize_takes_the_model_structure_from_the_adapter(single_rank_grou
     assert record.upcast_params == 1 + 2 * 2 + 2  # embed, proj weight+bias per block, head weight+bias
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and param.dtype == torch.float32, name
+
+
+def test_low_precision_weights_without_a_lifecycle_are_refused_before_the_model_changes(single_rank_group):
+    from lp_lightning.lightning.low_precision import LowPrecisionFabricPlugin
+
+    model = LowPrecisionFabricPlugin("mxfp8").convert_module(from_hf_config("dsv3-tiny", seed=0))
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    with pytest.raises(TypeError, match=r"got no lifecycle: pass lifecycle=plugin\.lifecycle"):
+        parallelize_causal_lm(model, build_dp_mesh("cpu", 1), mp_policy=default_mixed_precision_policy(),
+                              reshard_after_forward=True, activation_checkpoint="off", adapter=adapter_for(model))
+    assert {name: p.dtype for name, p in model.named_parameters()} == dtypes  # not upcast, not sharded
+    assert not is_parallelized(model)
