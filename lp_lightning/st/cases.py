@@ -99,7 +99,8 @@ class STSettings:
             runs). The report says "reduced" in its header and ``settings``: it is not an acceptance.
 
     Raises:
-        ValueError: a count out of range, naming the option (``--steady_steps`` ...) and the fix.
+        ValueError: counts out of range, one line each (all of them at once), naming the option
+            (``--steady_steps`` ...) and the fix.
     """
 
     devices: int = 2
@@ -113,25 +114,28 @@ class STSettings:
     reduced: bool = False
 
     def __post_init__(self) -> None:
+        problems: list[str] = []  # every bad count at once, one line each
         if not self.reduced and self.required_steps < MIN_REQUIRED_STEPS:
-            raise ValueError(f"--required_steps {self.required_steps} is below the design spec §17.2/§17.4 minimum "
+            problems.append(f"--required_steps {self.required_steps} is below the design spec §17.2/§17.4 minimum "
                              f"{MIN_REQUIRED_STEPS}; raise it, or pass --reduced true for a smoke run (report marked reduced).")
         if not self.reduced and self.steady_steps < self.required_steps:
-            raise ValueError(f"--steady_steps {self.steady_steps} is below --required_steps {self.required_steps}: Q3-11 "
+            problems.append(f"--steady_steps {self.steady_steps} is below --required_steps {self.required_steps}: Q3-11 "
                              "could not pass; raise it, or pass --reduced true for a smoke run (report marked reduced).")
         if self.steady_steps < 1 or self.warmup_steps < 0:
-            raise ValueError(f"steady_steps={self.steady_steps} must be >= 1 and warmup_steps={self.warmup_steps} >= 0.")
+            problems.append(f"steady_steps={self.steady_steps} must be >= 1 and warmup_steps={self.warmup_steps} >= 0.")
         if not 0 < self.resume_steps < self.steps:
-            raise ValueError(f"resume_steps={self.resume_steps} must be in [1, {self.steps - 1}] (warmup + steady - 1).")
+            problems.append(f"resume_steps={self.resume_steps} must be in [1, {self.steps - 1}] (warmup + steady - 1).")
         if self.accumulation < 2:
-            raise ValueError(f"accumulation={self.accumulation}: Q3-07 needs accumulate_grad_batches > 1.")
+            problems.append(f"accumulation={self.accumulation}: Q3-07 needs accumulate_grad_batches > 1.")
         if self.variant_steps < 1:
-            raise ValueError(f"--variant_steps {self.variant_steps} must be >= 1.")
+            problems.append(f"--variant_steps {self.variant_steps} must be >= 1.")
         if self.devices < 1:
-            raise ValueError(f"--devices {self.devices} must be >= 1 (processes per run; the FSDP rows Q3-05..Q3-08 "
+            problems.append(f"--devices {self.devices} must be >= 1 (processes per run; the FSDP rows Q3-05..Q3-08 "
                              "need >= 2 and are not-applicable at 1).")
         if not 0 < self.profile_steps <= self.resume_steps:
-            raise ValueError(f"profile_steps={self.profile_steps} must be in [1, resume_steps={self.resume_steps}].")
+            problems.append(f"profile_steps={self.profile_steps} must be in [1, resume_steps={self.resume_steps}].")
+        if problems:
+            raise ValueError("\n".join(problems))
 
     @property
     def steps(self) -> int:

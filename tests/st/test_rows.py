@@ -36,6 +36,10 @@ def test_settings_and_matrix():
         runs_for_rows(["Q3-12"])
     with pytest.raises(ValueError, match="accumulation=1"):
         STSettings(accumulation=1)
+    with pytest.raises(ValueError) as every:  # all bad step options in one error, one line each
+        STSettings(accumulation=1, variant_steps=0, devices=0, required_steps=3)
+    assert [line.split(" ")[0].split("=")[0] for line in str(every.value).splitlines()] == [
+        "--required_steps", "accumulation", "--variant_steps", "--devices"]
     with pytest.raises(ValueError, match="unknown ST case 'fp8'"):
         case_by_name("fp8")
 
