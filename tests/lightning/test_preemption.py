@@ -32,7 +32,7 @@ from lp_lightning.checkpoint.dcp import verify_dcp_checkpoint
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
+STEPS = 14  # 4 stops of ~2 steps each (a late signal: 3), then the rest
 HERE = Path(__file__).parent
 EXIT_BOUND_S = 60.0
 
