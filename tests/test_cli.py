@@ -281,6 +281,12 @@ def test_cli_builds_strategy_and_plugin_instances(tmp_path):
     assert len(checkpoint) == 1 and checkpoint[0].every_n_steps == 20
     assert type(trainer.progress_bar_callback) is type(default_progress_bar())  # counts optimizer steps
     assert trainer.precision_plugin.guard.max_consecutive_skips == 3 and trainer.strategy.resume_fallback is False
+    from lp_lightning.lightning import Preemption
+
+    stops = [c for c in trainer.callbacks if isinstance(c, Preemption)]
+    assert len(stops) == 1 and stops[0].timeout_s == 300.0
+    order = [type(c).__name__ for c in trainer.callbacks]  # Preemption raises after the summary recorded the step
+    assert order.index("RunSummaryCallback") < order.index("Preemption")
 
 
 def test_nonfinite_limit_reaches_the_plugin_and_a_negative_one_fails_while_parsing(tmp_path, capsys):
@@ -432,3 +438,29 @@ def test_ckpt_path_last_on_a_completed_run_exits_0_with_nothing_to_do(tmp_path, 
     section["ckpt_path"] = "last"
     check_launch(section)  # more steps asked: resume
     assert section["ckpt_path"].endswith("step-000020")
+
+
+def test_resume_command_replaces_the_ckpt_path():
+    from lp_lightning.cli import resume_command
+
+    assert resume_command(["fit", "--config", "a b.yaml", "--ckpt_path", "runs/x/step-000004", "--trainer.devices=2"]) \
+        == "lp-lightning fit --config 'a b.yaml' --trainer.devices=2 --ckpt_path last"
+    assert resume_command(["fit", "--ckpt_path=last"]) == "lp-lightning fit --ckpt_path last"
+
+
+@pytest.mark.parametrize(("signum", "status"), [(15, 143), (10, 143), (2, 130)])
+def test_a_signal_stop_exits_with_its_status_and_prints_the_resume_command(monkeypatch, capsys, signum, status):
+    """SIGTERM / SIGUSR1: 143, SIGINT: 130; rank 0 prints one line with the step, the checkpoint and the command."""
+    import lp_lightning.cli as cli
+    from lp_lightning.lightning.preemption import SignalStop
+
+    def stopped(**kwargs):
+        raise SignalStop(signum, step=7, checkpoint="runs/x/checkpoints/step-000007", saved=True)
+
+    monkeypatch.setattr(cli, "LPLightningCLI", stopped)
+    assert main(["fit", "--trainer.devices", "2"]) == status
+    name = {15: "SIGTERM", 10: "SIGUSR1", 2: "SIGINT"}[signum]
+    assert capsys.readouterr().err == (
+        f"lp-lightning: training stopped early by {name} after step 7 (every rank at that step); saved "
+        "'runs/x/checkpoints/step-000007'. Resume: lp-lightning fit --trainer.devices 2 --ckpt_path last\n"
+    )

@@ -11,7 +11,8 @@ instead of the tensor: ``max |amax|`` is the amax itself.
 Users (docs/architecture.md, "The non-finite guard"):
 
 * the precision plugin after every applied optimizer step (masters) and on a skipped step (the
-  reason: a non-finite master, a non-finite gradient, or a norm that overflowed);
+  reason: a non-finite master, a non-finite gradient, or a norm that overflowed); that reduce also
+  carries the stop request of every rank (``riders``, :mod:`lp_lightning.lightning.preemption`);
 * :func:`lp_lightning.checkpoint.dcp.save_dcp_checkpoint` before anything is written
   (masters, AdamW moments), and the load after DCP has read (the same tensors).
 
@@ -113,7 +114,10 @@ def flatten_state(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str,
 
 
 def first_nonfinite(
-    named: Iterable[tuple[str, torch.Tensor]], *, group: dist.ProcessGroup | None = None
+    named: Iterable[tuple[str, torch.Tensor]],
+    *,
+    group: dist.ProcessGroup | None = None,
+    riders: torch.Tensor | None = None,
 ) -> str | None:
     """The first name whose tensor holds NaN/Inf on any rank, or ``None`` (collective, see the module docstring).
 
@@ -121,6 +125,9 @@ def first_nonfinite(
         named: ``(name, tensor)`` pairs, identical names and order on every rank; non-floating
             tensors are skipped. A 0-d tensor may stand for a precomputed amax.
         group: The process group to reduce over (default: the default group, when initialised).
+        riders: An int32 vector of other per-step flags, the same length on every rank, MAX-reduced
+            in the same collective and overwritten in place with the result (the stop request of
+            :mod:`lp_lightning.lightning.preemption`: one collective serves both).
 
     Returns:
         The first offending name in ``named`` order, the same on every rank.
@@ -131,12 +138,18 @@ def first_nonfinite(
         if tensor.is_floating_point():
             names.append(name)
             amaxes.append(local_amax(tensor))
-    if not names:
+    if not names and riders is None:
         return None
     device = next((a.device for a in amaxes if a.device.type != "cpu"), torch.device("cpu"))
-    flags = (~torch.isfinite(torch.stack([a.to(device) for a in amaxes]))).to(torch.int32)
+    flags = (~torch.isfinite(torch.stack([a.to(device) for a in amaxes]))).to(torch.int32) if names else (
+        torch.zeros(0, dtype=torch.int32, device=device))
+    if riders is not None:
+        flags = torch.cat([flags, riders.to(device=device, dtype=torch.int32)])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         notify_collective("all_reduce", flags, "first_nonfinite")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    if riders is not None:
+        riders.copy_(flags[len(names):])
+        flags = flags[: len(names)]
     bad = torch.nonzero(flags).flatten()
     return names[int(bad[0])] if bad.numel() else None

@@ -13,6 +13,7 @@ and the only one that writes the process environment: the CPU thread default (:f
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from lp_lightning.cli.fit import LPLightningCLI, parse_config, plan_settings
 from lp_lightning.cli.launch import NothingToDo, is_rank_zero
 from lp_lightning.checkpoint.dcp import DamagedCheckpointError, NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV
+from lp_lightning.lightning.preemption import SignalStop
 
 __all__ = ["CPU_THREADS_DEFAULT", "default_cpu_threads", "main"]
 
@@ -72,6 +74,20 @@ def _first_line(err: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def resume_command(args: Sequence[str]) -> str:
+    """``lp-lightning <args> --ckpt_path last``, any ``--ckpt_path`` in ``args`` replaced (shell-quoted)."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join(["lp-lightning", *kept, "--ckpt_path", "last"])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``lp-lightning``.
 
@@ -79,8 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
 
     Returns:
-        Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM stopped training early (a
-        scheduler's preemption), so a job script can tell it from a finished run; 1 when the
+        Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM or SIGUSR1 stopped training
+        early (a scheduler's preemption), 130 for SIGINT (Ctrl-C), so a job script can tell it from
+        a finished run (rank 0 prints the resume command); 1 when the
         non-finite guard stopped training or the checkpoint to resume from is damaged (one line on
         stderr), or the startup gate failed; argument errors exit with status 2 through ``SystemExit``.
     """
@@ -127,13 +144,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_rank_zero():  # design spec §15: the checks were printed above; one line, no traceback
             print(f"lp-lightning: {err}", file=sys.stderr)
         return 1
+    except SignalStop as stop:
+        # Every rank stopped after the same step, which Preemption saved; ranks > 0 stay quiet.
+        if is_rank_zero():
+            print(f"lp-lightning: {stop.describe(resume_command(args))}", file=sys.stderr)
+        return int(stop.code)
     except SIGTERMException:
-        # Lightning stops the loop on SIGTERM with a SystemExit that carries no status (exit 0).
-        # PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.
+        # Lightning's own SIGTERM stop (a SystemExit without status), e.g. before Preemption's handlers are in
+        # place. PeriodicCheckpoint has saved the last completed step; ranks > 0 stay quiet.
         if is_rank_zero():
             print(
-                "lp-lightning: training stopped early by SIGTERM. Resume with the same command plus "
-                "`--ckpt_path last` (the newest complete checkpoint under <default_root_dir>/checkpoints).",
+                "lp-lightning: training stopped early by SIGTERM. Resume: " + resume_command(args),
                 file=sys.stderr,
             )
         return 128 + signal.SIGTERM

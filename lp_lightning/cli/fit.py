@@ -37,6 +37,11 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   (``every_n_steps``; DCP folders ``<default_root_dir>/checkpoints/step-000050``).
 * ``--run_summary.*``: :class:`~lp_lightning.telemetry.summary.RunSummaryCallback`
   (``<default_root_dir>/run_summary.json``).
+* ``--preemption.timeout_s`` (default 300): :class:`~lp_lightning.lightning.callbacks.Preemption`.
+  SIGTERM, SIGUSR1 or SIGINT to any rank stops every rank after the same optimizer step, which is
+  saved; ``run_summary.json`` is written, rank 0 prints the resume command, the exit status is 143
+  (130 for SIGINT). A rank still running ``timeout_s`` after the signal, or one that gets a second
+  signal, exits at once with one line.
 * ``--nonfinite.max_consecutive_skips`` (default 3, ``0`` = no limit): the non-finite guard of the
   precision plugin stops the run after that many optimizer steps skipped in a row for a NaN/Inf
   gradient norm, and at once when a master weight holds NaN/Inf; it prints one line (step, skip
@@ -68,7 +73,8 @@ geometry (``data.global_batch_size`` divisible by accumulation x world size) and
 world size that disagrees with ``trainer.devices`` are checked while parsing (exit status 2),
 before any process is launched; ``ckpt_path`` must be a DCP folder (a ``.ckpt`` file fails).
 ``--print_config`` prints only a config that passes all these checks.
-A run stopped by SIGTERM (preemption) exits with status 143 and can be resumed that way.
+A run stopped by SIGTERM or SIGUSR1 (preemption) exits with status 143, by Ctrl-C with 130; both
+resume that way.
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ from typing_extensions import override
 
 from lp_lightning.cli.launch import check_launch, launch_world_size
 from lp_lightning.config import FSDP2Config
-from lp_lightning.lightning.callbacks import PeriodicCheckpoint
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint, Preemption
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -348,6 +354,7 @@ class LPLightningCLI(LightningCLI):
         parser.set_defaults({"checkpoint.every_n_steps": 20, "model.activation_checkpoint": "off"})
         parser.add_lightning_class_args(RunSummaryCallback, "run_summary")
         parser.link_arguments("precision", "run_summary.precision")
+        parser.add_lightning_class_args(Preemption, "preemption")  # after run_summary: it records the last step first
         refused = {"trainer.strategy": ("strategy", "--fsdp_config"),
                    "trainer.plugins": ("precision plugin (cluster environments are accepted)", "--precision"),
                    "trainer.precision": ("precision plugin", "--precision")}

@@ -1,12 +1,12 @@
 """Lightning integration: FSDP2 strategy (Trainer + Fabric), precision plugins (bf16 / mxfp8 / hif8),
 the ``npu`` accelerator, the DeepSeek-V3 LightningModule, the pretraining datamodule and the job's
-checkpoint callback. The run summary and the read-only probes are :mod:`lp_lightning.telemetry`.
+checkpoint and stop-signal callbacks. The run summary and the read-only probes are :mod:`lp_lightning.telemetry`.
 
 Importing this package registers the ``"npu"`` accelerator with Lightning when torch_npu is
 importable (:func:`~lp_lightning.lightning.accelerator.register_npu_accelerator`)."""
 
 from lp_lightning.lightning.accelerator import NPUAccelerator, NPUFabricAccelerator, register_npu_accelerator
-from lp_lightning.lightning.callbacks import PeriodicCheckpoint, checkpoint_dirname
+from lp_lightning.lightning.callbacks import PeriodicCheckpoint, Preemption, checkpoint_dirname
 from lp_lightning.lightning.datamodule import PretrainDataModule
 from lp_lightning.lightning.module import DeepSeekV3LM, warmup_cosine_factor
 from lp_lightning.lightning.precision import (
@@ -30,6 +30,7 @@ __all__ = [
     "NPUAccelerator",
     "NPUFabricAccelerator",
     "PeriodicCheckpoint",
+    "Preemption",
     "PrecisionMode",
     "PretrainDataModule",
     "checkpoint_dirname",

@@ -1,26 +1,37 @@
-"""Callbacks of the pretraining job: periodic DCP checkpoints, and the marker of ``fit``'s CPU thread default.
+"""Callbacks of the pretraining job: periodic DCP checkpoints, the stop on a signal, and the marker of ``fit``'s CPU thread default.
 
 ``PeriodicCheckpoint`` saves ``<dirpath>/step-000050/`` DCP folders (see
 :mod:`lp_lightning.checkpoint.dcp`) every ``every_n_steps`` optimizer steps and at the end
-of training. ``run_summary.json`` is written by
-:class:`~lp_lightning.telemetry.summary.RunSummaryCallback`.
+of training. ``Preemption`` stops every rank at the same optimizer step on SIGTERM, SIGUSR1 or
+SIGINT and saves that step (:mod:`lp_lightning.lightning.preemption`). ``run_summary.json`` is
+written by :class:`~lp_lightning.telemetry.summary.RunSummaryCallback`.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lp_lightning.checkpoint.finite import NonFiniteStateError
+from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.lightning.preemption import (
+    DEFAULT_TIMEOUT_S,
+    SignalStop,
+    StopRequest,
+    outlive_launcher,
+    signal_name,
+)
 
-__all__ = ["PeriodicCheckpoint", "checkpoint_dirname"]
+__all__ = ["PeriodicCheckpoint", "Preemption", "checkpoint_dirname"]
 
 
 def checkpoint_dirname(global_step: int) -> str:
@@ -29,11 +40,11 @@ def checkpoint_dirname(global_step: int) -> str:
 
 
 class PeriodicCheckpoint(Checkpoint):
-    """Saves a DCP checkpoint every ``every_n_steps`` optimizer steps, at the end and on SIGTERM.
+    """Saves a DCP checkpoint every ``every_n_steps`` optimizer steps, at the end and on a stop signal.
 
     A fresh run (step 0) whose folder already holds ``step-*`` checkpoints of another run gets a
-    warning. On SIGTERM the last completed step is saved before the run exits (see
-    :meth:`on_exception`).
+    warning. On a stop signal the step every rank stopped after is saved (:meth:`save_at_stop`,
+    called by :class:`Preemption`; Lightning's own SIGTERM stop: :meth:`on_exception`).
 
     It is a Lightning ``Checkpoint`` callback, so the Trainer adds no default ``ModelCheckpoint``
     next to it. Saving goes through ``trainer.save_checkpoint`` and hence through
@@ -74,6 +85,19 @@ class PeriodicCheckpoint(Checkpoint):
     def last_checkpoint(self) -> str | None:
         return self.saved[-1] if self.saved else self._resumed_from
 
+    def save_at_stop(self, trainer: pl.Trainer, reason: str) -> bool:
+        """Saves the current optimizer step unless it is on disk already or is step 0 (collective).
+
+        Call it at a step boundary on every rank (``on_train_batch_end`` of the step's last
+        micro-batch). Returns whether it saved; :attr:`last_checkpoint` is then the resume point.
+        """
+        step = trainer.global_step
+        if step == 0 or step == self._last_saved_step:
+            return False
+        self._save(trainer)
+        rank_zero_info(f"{reason}: saved the checkpoint of step {step} to {self.saved[-1]!r}.")
+        return True
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.saved = []
@@ -93,10 +117,12 @@ class PeriodicCheckpoint(Checkpoint):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """On SIGTERM (preemption), saves the last completed optimizer step if it is not on disk.
+        """On Lightning's own SIGTERM stop, saves the last completed optimizer step if it is not on disk.
 
-        Lightning raises ``SIGTERMException`` on every rank at the same batch boundary (rank 0's
-        signal is forwarded and broadcast), so the collective save is safe. Mid-accumulation (some
+        Under :class:`Preemption` (``lp-lightning fit``) the step was saved before
+        :class:`~lp_lightning.lightning.preemption.SignalStop` was raised, and nothing is done here.
+        Without it, Lightning raises ``SIGTERMException`` on every rank at the same batch boundary
+        (rank 0's signal is broadcast), so the collective save is safe. Mid-accumulation (some
         micro-batches of the next step already ran) nothing is saved — a checkpoint there would
         hold a data position inside a step whose partial gradients are lost — so the resume point
         is the last checkpoint on disk, and the message says which step that is.
@@ -107,14 +133,13 @@ class PeriodicCheckpoint(Checkpoint):
         """
         if isinstance(exception, NonFiniteStateError) and exception.resume_checkpoint is None:
             exception.resume_checkpoint = self.last_checkpoint
-        if not isinstance(exception, SIGTERMException) or not trainer.training:
+        if not isinstance(exception, SIGTERMException) or isinstance(exception, SignalStop) or not trainer.training:
             return
         step = trainer.global_step
         micro_batches_done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
         at_step_boundary = micro_batches_done % trainer.accumulate_grad_batches == 0
-        if step > 0 and step != self._last_saved_step and at_step_boundary:
-            self._save(trainer)
-            rank_zero_info(f"SIGTERM: saved the checkpoint of step {step} to {self.saved[-1]!r}.")
+        if at_step_boundary:
+            self.save_at_stop(trainer, "SIGTERM")
         elif step != self._last_saved_step:
             rank_zero_warn(
                 f"SIGTERM inside the gradient accumulation of step {step + 1}: nothing saved; the resume "
@@ -138,6 +163,84 @@ class PeriodicCheckpoint(Checkpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.save_last and trainer.global_step != self._last_saved_step:
             self._save(trainer)
+
+
+class Preemption(Callback):
+    """Stops training on SIGTERM, SIGUSR1 or SIGINT to any rank: every rank after the same optimizer step, saved.
+
+    From ``on_train_start`` (after Lightning registered its own handlers, which its teardown puts
+    back) to ``on_train_end``, the stop signals go to the precision plugin's
+    :class:`~lp_lightning.lightning.preemption.StopRequest` (the handler records the signal;
+    the guard's reduce of each optimizer step tells every rank). At the end of the step whose
+    reduce carried a signal, every rank saves that step through :class:`PeriodicCheckpoint` and
+    raises :class:`~lp_lightning.lightning.preemption.SignalStop`; ``RunSummaryCallback`` writes
+    ``run_summary.json`` on the way out and ``lp-lightning fit`` prints the resume command and
+    exits 143 (SIGTERM, SIGUSR1) or 130 (SIGINT). A stop agreed at ``max_steps`` lets the run
+    finish. Module docstring of :mod:`lp_lightning.lightning.preemption`: the bounds (a second
+    signal, the watchdog, a dead peer).
+
+    Place it after ``RunSummaryCallback`` (the CLI does), whose ``on_train_batch_end`` then records
+    the stopping step first. It needs the lp-lightning precision plugin.
+
+    Args:
+        timeout_s: A rank still running this many seconds after the first signal it received (or
+            after the agreed stop) exits with the stop's status and one line; a step, its save and
+            the run summary must fit in it.
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"preemption.timeout_s must be > 0, got {timeout_s}.")
+        self.timeout_s = timeout_s
+        self._stop: StopRequest | None = None
+        self._launcher_parent: int | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, FSDP2PrecisionPlugin):
+            raise TypeError(
+                f"Preemption needs the lp-lightning precision plugin (its optimizer step exchanges the stop "
+                f"signal), got {type(plugin).__name__}. Pass plugins=[precision_plugin(...)], or drop Preemption."
+            )
+        # Lightning's launcher runs ranks > 0 as children of rank 0: such a rank exits after rank 0
+        # (outlive_launcher). One broadcast of rank 0's pid, at the start.
+        rank0_pid = trainer.strategy.broadcast(os.getpid(), src=0) if trainer.world_size > 1 else os.getpid()
+        self._launcher_parent = rank0_pid if trainer.global_rank > 0 and os.getppid() == rank0_pid else None
+        self._stop = plugin.stop
+        self._stop.install(rank=trainer.global_rank, timeout_s=self.timeout_s)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        signum = None if self._stop is None else self._stop.agreed
+        if signum is None:
+            return
+        if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+            return  # the last step: the run ends as it would have
+        checkpoint = next((c for c in trainer.checkpoint_callbacks if isinstance(c, PeriodicCheckpoint)), None)
+        saved = checkpoint is not None and checkpoint.save_at_stop(trainer, signal_name(signum))
+        raise SignalStop(signum, step=trainer.global_step, checkpoint=None if checkpoint is None else
+                         checkpoint.last_checkpoint, saved=saved)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stop is not None:
+            self._stop.restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """After a stop, a child of rank 0 exits only once rank 0 has (``atexit``); other errors put the handlers back.
+
+        On a stop the handlers stay (a second signal still exits at once) until Lightning's teardown
+        restores the ones it found.
+        """
+        if isinstance(exception, SignalStop):
+            if self._launcher_parent is not None:
+                atexit.register(outlive_launcher, self._launcher_parent)
+        elif self._stop is not None:
+            self._stop.restore()
 
 
 THREADS_DEFAULTED_ENV = "LP_LIGHTNING_THREADS_DEFAULTED"

@@ -11,7 +11,8 @@ checkpoints"):
   the first parameter whose gradient does, else ``"gradient norm overflow"`` (every gradient
   finite, their FP32 norm is not); each is logged once and kept in :attr:`NonFiniteGuard.events`;
 * checks the masters after every applied step: the low-precision weights through the amax their
-  refresh computed (``RefreshReport.master_amax``), the plain parameters directly;
+  refresh computed (``RefreshReport.master_amax``), the plain parameters directly; the plugin's
+  stop request rides in that reduce (``riders``, :mod:`lp_lightning.lightning.preemption`);
 * stops the run with :class:`~lp_lightning.checkpoint.finite.NonFiniteStateError` (every rank
   alike: the decisions come from reduced values) when ``max_consecutive_skips`` steps in a row were
   skipped (``0``: never for this reason), and at once when a master holds NaN/Inf: a skipped step
@@ -115,15 +116,24 @@ class NonFiniteGuard:
         return named
 
     def skipped(
-        self, params: list[torch.Tensor], *, step: int, norm: float, local_weight: LocalWeight | None = None
+        self,
+        params: list[torch.Tensor],
+        *,
+        step: int,
+        norm: float,
+        local_weight: LocalWeight | None = None,
+        riders: torch.Tensor | None = None,
     ) -> None:
         """Records a step skipped for a NaN/Inf gradient norm (collective: every rank calls it).
+
+        ``riders``: other int32 flags MAX-reduced in the masters' reduce, in place (``first_nonfinite``).
 
         Raises:
             NonFiniteStateError: A master holds NaN/Inf, or the limit of skips in a row is reached.
         """
         self.consecutive_skips += 1
-        reason, fqn = NONFINITE_MASTER, first_nonfinite(self._masters(params, local_weight=local_weight))
+        masters = self._masters(params, local_weight=local_weight)
+        reason, fqn = NONFINITE_MASTER, first_nonfinite(masters, riders=riders)
         if fqn is None:
             fqn = first_nonfinite([(self._name(i, p), p.grad) for i, p in enumerate(params) if p.grad is not None])
             reason = NONFINITE_GRADIENT if fqn is not None else NORM_OVERFLOW
@@ -143,14 +153,18 @@ class NonFiniteGuard:
         step: int,
         local_weight: LocalWeight | None = None,
         refreshed_amax: Sequence[torch.Tensor] = (),
+        riders: torch.Tensor | None = None,
     ) -> None:
         """Checks the masters after an applied step (collective).
+
+        ``riders``: other int32 flags MAX-reduced in the same reduce, in place (``first_nonfinite``).
 
         Raises:
             NonFiniteStateError: A master holds NaN/Inf.
         """
         self.consecutive_skips = 0
-        fqn = first_nonfinite(self._masters(params, local_weight=local_weight, refreshed_amax=refreshed_amax))
+        masters = self._masters(params, local_weight=local_weight, refreshed_amax=refreshed_amax)
+        fqn = first_nonfinite(masters, riders=riders)
         if fqn is not None:
             self._raise_stop(NONFINITE_MASTER, fqn, step)
 

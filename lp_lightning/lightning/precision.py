@@ -14,7 +14,8 @@ Every plugin does precision only: the FSDP2 mixed-precision policy, module conve
 precision: the replacement plan, FP32 masters) and the checked optimizer step. The parts it calls
 are their own objects, read by the callbacks as typed attributes: :class:`StepCounters`
 (:attr:`~FSDP2PrecisionPlugin.counters`), :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`
-(:attr:`~FSDP2PrecisionPlugin.guard`), :class:`BackendGate` (:attr:`~FSDP2PrecisionPlugin.gate`) and,
+(:attr:`~FSDP2PrecisionPlugin.guard`), :class:`BackendGate` (:attr:`~FSDP2PrecisionPlugin.gate`),
+:class:`~lp_lightning.lightning.preemption.StopRequest` (:attr:`~FSDP2PrecisionPlugin.stop`) and,
 in low precision, the FSDP2 lifecycle (:attr:`~FSDP2PrecisionPlugin.lifecycle`, a
 :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle`) that the strategy hands to
 ``parallelize_causal_lm``.
@@ -28,6 +29,11 @@ gradient clipping; a NaN/Inf norm stays non-finite through clipping). A non-fini
 "The non-finite guard and verified checkpoints"). Lightning still advances ``global_step`` and
 the LR scheduler, as for a step skipped by AMP's grad scaler. A step whose parameters have no
 gradient at all is a no-op.
+
+Stop signals. The guard's MAX-reduce of every optimizer step (applied or skipped) also carries this
+rank's stop signal (:attr:`~FSDP2PrecisionPlugin.stop`), so every rank learns a SIGTERM, SIGUSR1 or
+SIGINT sent to any of them at the same step, without a collective of its own
+(:mod:`lp_lightning.lightning.preemption`).
 
 Plugins are passed to Lightning as instances (``plugins=[precision_plugin("mxfp8")]``), which
 bypasses the built-in precision strings of Lightning's connector. There is no autocast: FSDP2's
@@ -53,6 +59,7 @@ from typing_extensions import override
 from lp_lightning.config import check_activation_checkpoint
 from lp_lightning.fsdp.parallelize import default_mixed_precision_policy, total_grad_norm
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard
+from lp_lightning.lightning.preemption import StopRequest
 from lp_lightning.policy import LowPrecisionPolicy, PrecisionName
 
 if TYPE_CHECKING:
@@ -182,6 +189,7 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         counters: The :class:`StepCounters`.
         guard: The :class:`~lp_lightning.lightning.nonfinite.NonFiniteGuard`.
         gate: The :class:`BackendGate`.
+        stop: The :class:`~lp_lightning.lightning.preemption.StopRequest` (exchanged in the guard's reduce).
         lifecycle: The low-precision FSDP2 lifecycle the strategy passes to ``parallelize_causal_lm``
             (a :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle`); ``None`` in ``bf16``.
 
@@ -206,6 +214,7 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.guard = NonFiniteGuard(max_consecutive_skips)
         self.counters = StepCounters()
+        self.stop = StopRequest()
         self.policy: LowPrecisionPolicy = LowPrecisionPolicy.disabled()
         self.lifecycle: LowPrecisionLifecycle | None = None
 
@@ -296,6 +305,8 @@ class FSDP2PrecisionPlugin(FabricPrecision):
     def _step_and_refresh(self, optimizer: Any, **kwargs: Any) -> Any:
         """Finite check, ``optimizer.step(**kwargs)``, refresh, master check. Returns what ``optimizer.step`` returned.
 
+        The guard's reduce (master check, or the diagnosis of a skipped step) carries :attr:`stop`.
+
         Raises:
             NonFiniteStateError: The guard stops the run (module docstring), on every rank alike.
         """
@@ -311,13 +322,18 @@ class FSDP2PrecisionPlugin(FabricPrecision):
             if not bool(torch.isfinite(norm)):
                 counters.skipped += 1
                 counters.last_applied = False
-                self.guard.skipped(params, step=counters.index, norm=float(norm), local_weight=local_weight)
+                stop = self.stop.flags()
+                self.guard.skipped(params, step=counters.index, norm=float(norm), local_weight=local_weight, riders=stop)
+                self.stop.agree(stop)
                 return None
         out = optimizer.step(**kwargs)
         counters.applied += 1
         counters.last_applied = True
         refreshed_amax = self._after_applied_step(params)
-        self.guard.applied(params, step=counters.index, local_weight=local_weight, refreshed_amax=refreshed_amax)
+        stop = self.stop.flags()
+        self.guard.applied(params, step=counters.index, local_weight=local_weight, refreshed_amax=refreshed_amax,
+                           riders=stop)
+        self.stop.agree(stop)
         return out
 
     @override

@@ -136,6 +136,13 @@ class RunSummary:
         'first offending FQN) and `stopped`: `null`, or why the guard stopped the run (`{"step", "reason", "fqn", '
         '"consecutive_skips", "message", "resume_checkpoint"}`; the summary is then written at the stop).'
     )
+    stop_signal: dict[str, Any] | None = _key(
+        "`null`, or the stop signal that ended training early, every rank after the same step (docs/outputs.md, "
+        '"What holds after each fault"): `{"signal", "step", "checkpoint", "saved", "exit_status"}` — the signal '
+        '(`"SIGTERM"`, `"SIGUSR1"`, `"SIGINT"`), the step stopped after, the newest checkpoint on disk (the resume '
+        "point; `null`: none), whether it was written at the stop, the exit status (143, or 130 for SIGINT). The "
+        "summary is then written at the stop."
+    )
     low_precision: dict[str, Any] | None = _key(
         'The policy: `{"enabled", "format", "scaling", "recipe_name"}`; `null` in bf16 (as are `replacement`, '
         "`kernels` and `refresh`: no low-precision weight, GEMM or refresh exists there)."

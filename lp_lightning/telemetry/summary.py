@@ -22,11 +22,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lp_lightning.checkpoint.finite import NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV, PeriodicCheckpoint
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.lightning.preemption import SignalStop, exit_status
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
@@ -203,6 +205,7 @@ class RunSummaryCallback(Callback):
         self._skipped_at_start = 0
         self._events_at_start = 0
         self._stop: NonFiniteStateError | None = None
+        self._signal_stop: SIGTERMException | None = None
         self._first_step = first_step
         self._last_step = first_step
         self._t0: float | None = None
@@ -245,12 +248,15 @@ class RunSummaryCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Stops the recorders; when the non-finite guard stopped the run, writes the summary now.
+        """Stops the recorders; when the non-finite guard or a stop signal stopped the run, writes the summary now.
 
-        The guard raises on every rank alike, so the summary's collectives are safe here.
+        Both raise on every rank after the same step, so the summary's collectives are safe here.
         """
-        if isinstance(exception, NonFiniteStateError) and trainer.training:
-            self._stop = exception
+        if isinstance(exception, (NonFiniteStateError, SIGTERMException)) and trainer.training:
+            if isinstance(exception, NonFiniteStateError):
+                self._stop = exception
+            else:
+                self._signal_stop = exception
             self.on_train_end(trainer, pl_module)
             self.on_fit_end(trainer, pl_module)
         self._stop_recorders()
@@ -380,8 +386,17 @@ class RunSummaryCallback(Callback):
             "grad_norms": list(self._grad_norms),
             "step_times_s": list(self._step_times),
             "nonfinite": self._nonfinite(trainer),
+            "stop_signal": self._stop_signal(trainer),
             **self._low_precision_sections(trainer),
         }).as_dict()
+
+    def _stop_signal(self, trainer: pl.Trainer) -> dict[str, Any] | None:
+        stop = self._signal_stop
+        if stop is None or isinstance(stop, SignalStop):
+            return None if stop is None else stop.as_dict()
+        # Lightning's own SIGTERM stop (a Trainer without Preemption): PeriodicCheckpoint saves after this.
+        return {"signal": "SIGTERM", "step": trainer.global_step, "checkpoint": None, "saved": False,
+                "exit_status": exit_status(15)}
 
     def _nonfinite(self, trainer: pl.Trainer) -> dict[str, Any] | None:
         plugin = lp_plugin(trainer)

@@ -78,3 +78,37 @@ class InfIntoMaster(Callback):
                            batch_idx: int) -> None:
         if self.when == "end":
             self._write(trainer, pl_module)
+
+
+class Heartbeat(Callback):
+    """Writes ``<out_dir>/rank<r>.json`` = ``{"pid", "step"}`` at the start and after every optimizer step, then
+    sleeps ``sleep_s`` (so a test can find each rank's pid, see the run's progress and signal it mid-run).
+
+    Args:
+        out_dir: Folder of the files.
+        sleep_s: Seconds to sleep after writing (a slower step, same numbers).
+    """
+
+    def __init__(self, out_dir: str, sleep_s: float = 0.0) -> None:
+        self.out_dir, self.sleep_s = out_dir, sleep_s
+
+    def _beat(self, trainer: pl.Trainer) -> None:
+        import json
+        import os
+        from pathlib import Path
+
+        folder = Path(self.out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        part = folder / f".rank{trainer.global_rank}.json"
+        part.write_text(json.dumps({"pid": os.getpid(), "step": trainer.global_step}))
+        part.replace(folder / f"rank{trainer.global_rank}.json")  # readers never see a half-written file
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._beat(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        import time
+
+        self._beat(trainer)
+        time.sleep(self.sleep_s)
