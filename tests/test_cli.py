@@ -464,3 +464,13 @@ def test_a_signal_stop_exits_with_its_status_and_prints_the_resume_command(monke
         f"lp-lightning: training stopped early by {name} after step 7 (every rank at that step); saved "
         "'runs/x/checkpoints/step-000007'. Resume: lp-lightning fit --trainer.devices 2 --ckpt_path last\n"
     )
+
+
+def test_help_lists_every_subcommand_with_one_line(capsys):
+    from lp_lightning.cli import SUBCOMMANDS, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("fit", "validate", "validate-model", "plan", "st"):
+        assert sum(line.strip().startswith(name + " ") for line in out.splitlines()) == 1, name
+    assert [name for name, _ in SUBCOMMANDS] == ["fit", "validate", "validate-model", "plan", "st"]

@@ -88,6 +88,24 @@ def resume_command(args: Sequence[str]) -> str:
     return shlex.join(["lp-lightning", *kept, "--ckpt_path", "last"])
 
 
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("fit", "train (LightningCLI: --config, --precision bf16|mxfp8|hif8, --trainer.*, --ckpt_path last)"),
+    ("validate", "the validation loss of a checkpoint (--ckpt_path PATH|last)"),
+    ("validate-model", "check a model spec or config.json against the design spec's 16B targets"),
+    ("plan", "predict the per-rank memory of a run before launching it"),
+    ("st", "the acceptance run: the design spec's Q3 matrix, §15 refusals and numerics, one report"),
+)
+"""``lp-lightning --help``: every subcommand with one line."""
+
+
+def _overview() -> str:
+    width = max(len(name) for name, _ in SUBCOMMANDS)
+    lines = [f"  {name:<{width}}  {what}" for name, what in SUBCOMMANDS]
+    return ("usage: lp-lightning {" + ",".join(n for n, _ in SUBCOMMANDS) + "} ...\n\n"
+            "MXFP8 / HiF8 pretraining of Hugging Face DeepSeek-V3 on FSDP2 (docs/usage.md).\n\n"
+            "subcommands:\n" + "\n".join(lines) + "\n\nlp-lightning <subcommand> --help lists its options.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``lp-lightning``.
 
@@ -102,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stderr), or the startup gate failed; argument errors exit with status 2 through ``SystemExit``.
     """
     args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] in (["-h"], ["--help"]):
+        print(_overview())
+        return 0
     if args and args[0] == "validate-model":
         # Imported here: each subcommand loads only its own stack.
         from lp_lightning.models.deepseek_v3.validate_cli import validate_model_main
