@@ -474,3 +474,20 @@ def test_help_lists_every_subcommand_with_one_line(capsys):
     for name in ("fit", "validate", "validate-model", "plan", "st"):
         assert sum(line.strip().startswith(name + " ") for line in out.splitlines()) == 1, name
     assert [name for name, _ in SUBCOMMANDS] == ["fit", "validate", "validate-model", "plan", "st"]
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--trainer.max_step", "5"], "unrecognized arguments: --trainer.max_step 5"),  # no prefix matching
+        (["--model.activation_checkpoint", "on"], 'Parser key "model.activation_checkpoint"'),
+        (["--precision", "fp8"], "Expected a typing.Literal['bf16', 'mxfp8', 'hif8']"),
+    ],
+)
+def test_a_usage_error_is_at_most_five_lines_without_the_usage(capsys, options, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "dsv3_tiny.yaml"), *options])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("lp-lightning", "  "))]
+    assert 2 <= len(err) <= 5 and expected in "\n".join(err), err
+    assert err[0].startswith("lp-lightning fit: error: ") and err[-1] == "lp-lightning fit --help lists every option."

@@ -177,19 +177,41 @@ _REJECTED_SCALING = re.compile(r'Parser key "(?:low_precision\.)?scaling":\s*Exp
 
 
 class _LPArgumentParser(LightningArgumentParser):
-    """The CLI's parser: says in words why a refused ``low_precision.scaling`` fails (design spec §17.3.1).
+    """The CLI's parser: a usage error is one line and a pointer to ``--help``; options are never abbreviated.
 
-    ``scaling: delayed`` is not one of the field's choices, so jsonargparse rejects it while
-    parsing with a generic dump of the ``Optional[LowPrecisionConfig]`` union; the user-facing
-    parser replaces that dump by :func:`~lp_lightning.policy.refused_scaling_message` ("HiF8
-    delayed scaling is not supported"). The help keeps listing only the accepted choices.
+    jsonargparse prints the whole usage (~90 lines) before the error; this parser prints
+    ``<prog>: error: <message>`` and ``<prog> --help lists every option.`` and exits with status 2.
+    ``allow_abbrev=False``: ``--trainer.max_step 5`` is an unknown option, not ``max_steps``.
+    ``scaling: delayed`` is not one of the field's choices, so jsonargparse rejects it with a
+    generic dump of the ``Optional[LowPrecisionConfig]`` union; that dump becomes
+    :func:`~lp_lightning.policy.refused_scaling_message` ("HiF8 delayed scaling is not supported").
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     @override
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         match = _REJECTED_SCALING.search(message) if self.exit_on_error and "low_precision" in message else None
-        refused = refused_scaling_message(match.group(1)) if match else None
-        super().error(refused or message, ex)
+        message = refused_scaling_message(match.group(1)) if match else message
+        if not self.exit_on_error:
+            super().error(message, ex)  # raises ArgumentError (parse_config, the tests, st's checks)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"{prog}: error: {_condensed(message)}\n{prog} --help lists every option.\n")
+        self.exit(2)
+
+
+def _condensed(message: str, max_lines: int = 4) -> str:
+    """jsonargparse's multi-line type errors cut to the key, what was expected and the value given (≤ ``max_lines``)."""
+    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    expected = [line.strip().lstrip("- ") for line in lines[1:] if line.strip().lstrip("- ").startswith("Expected")]
+    given = [line.strip() for line in lines if line.strip().startswith("Given value:")]
+    kept = [lines[0], *("  " + line for line in expected[: max_lines - 1 - len(given[-1:])]), *("  " + g for g in given[-1:])]
+    return "\n".join(kept[:max_lines])
 
 
 def _requests_print_config(arg: str) -> bool:

@@ -115,10 +115,21 @@ class StopRequest:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def restore(self) -> None:
-        """Puts back the handlers :meth:`install` replaced."""
+        """Puts back the handlers :meth:`install` replaced and disarms the watchdog."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+        self.disarm()
+
+    def disarm(self) -> None:
+        """Cancels the watchdog: the stop has run its course (the strategy's ``teardown``, the end of ``fit``).
+
+        A process that goes on after ``fit`` (a notebook, a test, a script that catches
+        :class:`SignalStop`) is never ended by a watchdog of a finished run.
+        """
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def flags(self) -> torch.Tensor:
         """``int32 [1]``: this rank's signal number, 0 without one; the guard's reduce MAX-reduces it in place."""

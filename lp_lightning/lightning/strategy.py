@@ -403,6 +403,14 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         return self.activation_checkpoint
 
     @override
+    def teardown(self) -> None:
+        """Lightning's teardown, then the stop request's watchdog is disarmed (it bounds a stop up to here:
+        the save, the run summary, the exception hooks; :mod:`lp_lightning.lightning.preemption`)."""
+        super().teardown()
+        if isinstance(self.precision_plugin, FSDP2PrecisionPlugin):
+            self.precision_plugin.stop.disarm()
+
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """Lightning's ``reduce`` (an all-reduce whenever the process group is up, one rank included),
         reported to :func:`~lp_lightning.observers.add_collective_observer` first (the per-step loss mean)."""

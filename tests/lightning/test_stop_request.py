@@ -77,3 +77,12 @@ def test_riders_take_part_in_the_nonfinite_reduce_in_place():
     assert riders.tolist() == [15]
     assert first_nonfinite([], riders=riders) is None and riders.tolist() == [15]
     assert first_nonfinite([("a", torch.ones(3))]) is None
+
+
+def test_a_disarmed_watchdog_never_fires(stop, exits):
+    """The strategy's teardown disarms it: a process that goes on after fit (a notebook, a test) is not ended."""
+    stop.install(rank=0, timeout_s=0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+    stop.disarm()
+    time.sleep(0.3)
+    assert exits == [] and stop.received == signal.SIGTERM
