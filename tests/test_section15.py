@@ -91,7 +91,9 @@ def _fails_at_parse(capsys, calls: list[str], *args: str) -> str:
     assert exc.value.code == 2, captured.err[-2000:]
     assert calls == []
     assert "Traceback" not in captured.err and captured.err.count("error: ") == 1
-    return " ".join(captured.err.split("error: ", 1)[1].split())  # the message, whitespace folded
+    message, pointer, rest = captured.err.split("error: ", 1)[1].rpartition("lp-lightning fit --help lists every option.")
+    assert pointer and not rest.strip()  # the error, then the pointer to --help (no usage dump)
+    return " ".join(message.split())  # the message, whitespace folded
 
 
 @pytest.fixture

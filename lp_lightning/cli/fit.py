@@ -204,9 +204,11 @@ class _LPArgumentParser(LightningArgumentParser):
 
 
 def _condensed(message: str, max_lines: int = 4) -> str:
-    """jsonargparse's multi-line type errors cut to the key, what was expected and the value given (≤ ``max_lines``)."""
+    """jsonargparse's multi-line type errors (``Parser key "...":`` and a dump of the union's subtypes) cut to the
+    key, what was expected and the value given (≤ ``max_lines``); every other message is kept whole (the launch
+    check's list of illegal shards names every FQN)."""
     lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
-    if len(lines) <= max_lines:
+    if len(lines) <= max_lines or not lines[0].startswith("Parser key "):  # the product's own messages stay whole
         return "\n".join(lines)
     expected = [line.strip().lstrip("- ") for line in lines[1:] if line.strip().lstrip("- ").startswith("Expected")]
     given = [line.strip() for line in lines if line.strip().startswith("Given value:")]

@@ -140,12 +140,24 @@ def _write_files(case: IllegalCase, case_dir: Path) -> None:
             torch.save(content, case_dir / name)
 
 
+def usage_error(stderr: str) -> str:
+    """The message of the CLI's usage error in ``stderr``: after ``<prog>: error: `` up to the ``--help`` pointer
+    (``lp_lightning.cli.fit``'s parser), else after jsonargparse's own ``error: `` line; ``""`` without one."""
+    lines = stderr.splitlines()
+    for index, line in enumerate(lines):
+        head, found, rest = line.partition(": error: ") if not line.startswith("error: ") else ("", True, line[7:])
+        if found:
+            tail = [t for t in lines[index + 1:] if not t.endswith("--help lists every option.")]
+            return "\n".join([rest, *tail])
+    return ""
+
+
 def _observe(case: IllegalCase, case_dir: Path, fit_main: Callable[[Sequence[str]], int] | None) -> dict[str, Any]:
     """Runs ``case`` in this process with a stage observer registered.
 
     Returns:
         ``exit_code`` (what the interpreter would exit with), ``events`` (the stage events'
-        ``[stage, outcome]`` in entry order), ``message`` (the usage error after ``error: ``, the
+        ``[stage, outcome]`` in entry order), ``message`` (the usage error, :func:`usage_error`; the
         startup gate's ``lp-lightning: ...`` line, or the uncaught error's text) and ``error_type``
         (its class).
 
@@ -175,7 +187,7 @@ def _observe(case: IllegalCase, case_dir: Path, fit_main: Callable[[Sequence[str
                 exit_code = 0
     except SystemExit as err:
         exit_code = 0 if err.code is None else err.code if isinstance(err.code, int) else 1  # as the interpreter
-        message = ("\n" + captured.getvalue()).partition("\nerror: ")[2]  # jsonargparse: "...\nerror: <message>"
+        message = usage_error(captured.getvalue())
     except Exception as err:  # an uncaught error: the interpreter would print it and exit 1
         traceback.print_exc()
         exit_code, error_type, message = 1, f"{type(err).__module__}.{type(err).__qualname__}", str(err)
