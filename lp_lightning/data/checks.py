@@ -139,14 +139,14 @@ def check_corpus_size(
         corpus, tokenizer: The run's data.
         seq_len: Model inputs per sequence (a window holds ``seq_len + 1`` tokens).
         val_fraction: The split rule's validation fraction.
-        val_batch_size: Windows per validation batch; ``None`` (or ``val_fraction == 0``): no validation need.
+        val_batch_size: Windows per validation batch; ``None``: the run does not validate (no need).
         cache_dir: Where the token cache would be (an existing one is read for the exact counts).
 
     Raises:
         ValueError: A split is too small; names the corpus, its token count, the split, the need and the fix.
     """
     window = seq_len + 1
-    need_val = val_batch_size * window if val_batch_size and val_fraction > 0 else 0
+    need_val = val_batch_size * window if val_batch_size else 0
     counts = split_token_counts(corpus, tokenizer, val_fraction=val_fraction, cache_dir=cache_dir,
                                 need_train=window, need_val=need_val)
     if counts is None:
@@ -161,6 +161,6 @@ def check_corpus_size(
     if counts.val < need_val:
         raise ValueError(
             f"{held}: the validation split (data.val_fraction={val_fraction}) gets {counts.val}, one validation batch "
-            f"needs {val_batch_size} x {window} = {need_val}; add text, raise data.val_fraction or lower "
-            "data.seq_len / data.val_batch_size."
+            f"needs {val_batch_size} x {window} = {need_val}; add text, raise data.val_fraction, lower "
+            "data.seq_len / data.val_batch_size, or pass --trainer.limit_val_batches 0."
         )

@@ -96,7 +96,7 @@ def test_check_corpus_size_names_the_corpus_and_the_need(tmp_path):
     assert str(info.value) == (
         f"data.sources: (2 files, the first {first!r}) holds 202 tokens (byte tokenizer): the validation split "
         "(data.val_fraction=0.2) gets 41, one validation batch needs 1 x 64 = 64; add text, raise "
-        "data.val_fraction or lower data.seq_len / data.val_batch_size."
+        "data.val_fraction, lower data.seq_len / data.val_batch_size, or pass --trainer.limit_val_batches 0."
     )
     check_corpus_size(corpus, byte, seq_len=63, val_fraction=0.2, val_batch_size=None)  # no validation: enough
     with pytest.raises(ValueError, match=r"the train split gets \d+, one sequence needs data.seq_len \+ 1 = 1001"):
