@@ -472,7 +472,8 @@ def _launch_fails(capsys, *options: str) -> str:
 def test_a_read_only_output_folder_fails_at_launch_and_creates_nothing(tmp_path, read_only_dir, capsys,
                                                                         no_model_build):
     tokens = tmp_path / "tokens"
-    err = _launch_fails(capsys, "--trainer.default_root_dir", str(read_only_dir / "run"), "--data.cache_dir", str(tokens))
+    err = _launch_fails(capsys, "--trainer.default_root_dir", str(read_only_dir / "run"),
+                        "--data.cache_dir", str(tokens))
     assert (f"error: trainer.default_root_dir={str(read_only_dir / 'run')!r} cannot be written: "
             f"{str(read_only_dir)!r} is ") in err
     assert "lp-lightning writes logs/, checkpoints/ and run_summary.json there. Pass a writable " \

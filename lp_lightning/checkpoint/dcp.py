@@ -294,7 +294,8 @@ def _settle(
     err: _Failure | None, *, path: Path, staging: Path, needed: int, rank: int,
     reports: list[tuple[bool, str] | None] | None = None,
 ) -> None:
-    """After one step of a save (collective: ``reports`` gathered here unless given), raises on every rank if any failed.
+    """After one step of a save, raises on every rank if the step failed on any (collective: gathers ``reports``
+    unless given).
 
     Out of space on any rank: rank 0 removes the staging folder and every rank raises
     :class:`~lp_lightning.checkpoint.space.CheckpointSpaceError`. Another error: the rank that met it re-raises

@@ -2,12 +2,13 @@
 
 One checkpoint holds the FP32 masters and both FP32 AdamW moments: :data:`BYTES_PER_PARAMETER` (12)
 bytes per parameter, plus ``.metadata``, ``meta.pt`` and ``digests.json`` (an allowance:
-:data:`SMALL_FILES_BYTES` and :data:`BYTES_PER_TENSOR` per saved tensor). ``lp-lightning fit`` warns at launch when the checkpoint folder's file system has less
-free than :func:`checkpoint_bytes`; :func:`~lp_lightning.checkpoint.dcp.save_dcp_checkpoint` turns a
-save that runs out of room (:func:`out_of_space`) into one :class:`CheckpointSpaceError`, after
-removing its staging folder. torch's writers do not always say so: a full disk inside DCP's
-``torch.save`` surfaces as ``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos``
-with no errno, so the free space left is read as well.
+:data:`SMALL_FILES_BYTES`, and :data:`BYTES_PER_TENSOR` per saved tensor). ``lp-lightning fit``
+warns at launch when the checkpoint folder's file system has less free than :func:`checkpoint_bytes`;
+:func:`~lp_lightning.checkpoint.dcp.save_dcp_checkpoint` turns a save that runs out of room
+(:func:`out_of_space`) into one :class:`CheckpointSpaceError`, after removing its staging folder.
+torch's writers do not always say so: a full disk inside DCP's ``torch.save`` surfaces as
+``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos`` with no errno, so the
+free space left is read as well.
 """
 
 from __future__ import annotations

@@ -95,8 +95,9 @@ def check_launch(
     Checks that the output folders can be written (:func:`_check_output_folders`; nothing is
     created), resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
-    passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that ``data.sources`` resolve,
-    are text and hold enough tokens, and ``data.tokenizer`` loads (:func:`_check_data`), that
+    passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that
+    ``data.sources`` resolve, are text and hold enough tokens, and ``data.tokenizer`` loads
+    (:func:`_check_data`), that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).

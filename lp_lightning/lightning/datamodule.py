@@ -166,7 +166,8 @@ class PretrainDataModule(pl.LightningDataModule):
 
     def _build_cache(self) -> TokenCache:
         return build_token_cache(
-            self.sources, self.tokenizer, self.cache_dir, max_bytes=self.max_corpus_bytes, allow_binary=self.allow_binary
+            self.sources, self.tokenizer, self.cache_dir, max_bytes=self.max_corpus_bytes,
+            allow_binary=self.allow_binary,
         )
 
     @override

@@ -42,8 +42,8 @@ def _trained_linear(width: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _save(model, optimizer, path: Path, step: int) -> Path:
     return save_dcp_checkpoint(
-        path, model_state=model_state_dict(model), optimizer_states={"optimizer": optimizer_state_dict(model, optimizer)},
-        metadata={"global_step": step}, rank=0,
+        path, model_state=model_state_dict(model),
+        optimizer_states={"optimizer": optimizer_state_dict(model, optimizer)}, metadata={"global_step": step}, rank=0,
     )
 
 

@@ -21,7 +21,8 @@ def test_binary_problem_tells_text_from_binary(tmp_path):
     assert problem("x".encode("utf-16")) == "it holds a NUL byte (at byte 3)"  # UTF-16 is not UTF-8 text
     # Latin-1: each accented letter is one undecodable byte; up to 1 % of the bytes read is still text.
     assert problem(("caf\u00e9 " + "plain English text " * 6).encode("latin-1") * 50) is None  # 1 in 119
-    assert problem(("caf\u00e9 " + "plain text " * 4).encode("latin-1") * 50) == "50 of its 2450 bytes are not valid UTF-8"
+    assert problem(("caf\u00e9 " + "plain text " * 4).encode("latin-1") * 50) == (
+        "50 of its 2450 bytes are not valid UTF-8")  # 1 in 49
     # A character cut by the end of the prefix is not invalid; one cut by the end of the file is.
     assert problem(b"a" * 9 + "日".encode(), prefix_bytes=10) is None
     assert problem(b"a" * 9 + "日".encode()[:1]) == "1 of its 10 bytes are not valid UTF-8"
@@ -44,7 +45,8 @@ def test_a_binary_source_is_refused_before_a_token_cache_is_built(text_dir, cach
     with pytest.raises(ValueError, match="allow_binary=True"):
         PretrainDataModule(sources=sources, cache_dir=str(cache_dir)).prepare_data()  # refuses by default
     assert not cache_dir.exists()
-    assert build_token_cache(sources, "byte", cache_dir).n_tokens == 1800 + 128 + 3 * 128 + 2  # allowed: ASCII, U+FFFD, EOS
+    allowed = build_token_cache(sources, "byte", cache_dir)
+    assert allowed.n_tokens == 1800 + 128 + 3 * 128 + 2  # ASCII, a U+FFFD (3 bytes) per high byte, 2 EOS
     PretrainDataModule(sources=sources, cache_dir=str(cache_dir)).prepare_data()  # a cache hit is not read again
 
 
