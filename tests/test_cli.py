@@ -491,3 +491,159 @@ def test_a_usage_error_is_at_most_five_lines_without_the_usage(capsys, options, 
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("lp-lightning", "  "))]
     assert 2 <= len(err) <= 5 and expected in "\n".join(err), err
     assert err[0].startswith("lp-lightning fit: error: ") and err[-1] == "lp-lightning fit --help lists every option."
+
+
+# ------------------------------------------------------------------------------------------------
+# Output folders, disk space and data, checked at launch (nothing is created when a check fails)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder this process cannot write: mode 0555, or for root (who ignores modes) a read-only tmpfs."""
+    import shutil
+    import subprocess
+
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    if shutil.which("mount") is None:
+        pytest.skip("root ignores file modes and there is no mount command for a read-only tmpfs")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"root ignores file modes and mount is refused: {done.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def _launch_fails(capsys, *options: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", *options])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    return " ".join(err.split())
+
+
+def test_a_read_only_output_folder_fails_at_launch_and_creates_nothing(tmp_path, read_only_dir, capsys,
+                                                                        no_model_build):
+    tokens = tmp_path / "tokens"
+    err = _launch_fails(capsys, "--trainer.default_root_dir", str(read_only_dir / "run"),
+                        "--data.cache_dir", str(tokens))
+    assert (f"error: trainer.default_root_dir={str(read_only_dir / 'run')!r} cannot be written: "
+            f"{str(read_only_dir)!r} is ") in err
+    assert "lp-lightning writes logs/, checkpoints/ and run_summary.json there. Pass a writable " \
+           "--trainer.default_root_dir." in err
+    err = _launch_fails(capsys, "--trainer.default_root_dir", str(tmp_path / "run"), "--data.cache_dir",
+                        str(read_only_dir / "tokens"))  # a token cache still to build needs its folder too
+    assert f"error: data.cache_dir={str(read_only_dir / 'tokens')!r} cannot be written" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["read_only"] and not list(read_only_dir.iterdir())
+    assert no_model_build == []
+
+
+@pytest.mark.parametrize(("content", "tokens", "train"), [(b"", 1, 0), (b"hello world\n", 13, 12)])
+def test_too_little_data_fails_at_launch_and_creates_nothing(tmp_path, capsys, no_model_build, content, tokens, train):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(content)
+    root, cache = tmp_path / "run", tmp_path / "tokens"
+    err = _launch_fails(capsys, "--trainer.default_root_dir", str(root), "--data.cache_dir", str(cache),
+                        "--data.sources", str(corpus))
+    assert (f"error: data.sources: {str(corpus)!r} holds {tokens} token{'s' if tokens > 1 else ''} (byte tokenizer): "
+            f"the train split gets {train}, one sequence needs data.seq_len + 1 = 257; add text to data.sources or "
+            "lower data.seq_len.") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]  # no run/ (logs, checkpoints), no tokens/
+    assert no_model_build == []
+
+
+def test_a_validation_split_without_one_batch_fails_at_launch(tmp_path, capsys, no_model_build):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("word " * 400)  # 2001 tokens: a train sequence, but 101 validation tokens for 4 x 257
+    options = ["--trainer.default_root_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "tokens"),
+               "--data.sources", str(corpus)]
+    err = _launch_fails(capsys, *options)
+    assert ("holds 2001 tokens (byte tokenizer): the validation split (data.val_fraction=0.05) gets 101, one "
+            "validation batch needs 4 x 257 = 1028; add text, raise data.val_fraction, lower data.seq_len / "
+            "data.val_batch_size, or pass --trainer.limit_val_batches 0.") in err
+    section = parse_config([*options, "--data.seq_len", "24"])  # 4 x 25 = 100 tokens fit
+    check_launch(section)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b"PK\x03\x04" + bytes(range(256)) * 40, "it holds a NUL byte (at byte 4)"),
+        ("café crème brûlée ".encode("latin-1") * 600, "2400 of its 10800 bytes are not valid UTF-8"),
+    ],
+    ids=["nul", "latin1"],
+)
+def test_a_binary_corpus_fails_at_launch_unless_allowed(tmp_path, capsys, no_model_build, content, problem):
+    corpus = tmp_path / "corpus.dat"
+    corpus.write_bytes(content)
+    options = ["--trainer.default_root_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "tokens"),
+               "--data.sources", str(corpus), "--data.seq_len", "32"]
+    err = _launch_fails(capsys, *options)
+    assert (f"error: data.sources: {str(corpus)!r} is not text: {problem}. Pass text files, or --data.allow_binary "
+            "true to train on it (undecodable bytes become U+FFFD).") in err
+    check_launch(parse_config([*options, "--data.allow_binary", "true"]))  # allowed: the launch checks pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.dat"]
+    assert no_model_build == []
+
+
+def test_too_little_disk_for_one_checkpoint_warns_at_launch(tmp_path, capsys, monkeypatch):
+    from collections import namedtuple
+
+    from lp_lightning.checkpoint import space
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 5 * 10**6, 5 * 10**6))
+    section = parse_config(["--trainer.default_root_dir", str(tmp_path / "run")])
+    check_launch(section)  # a warning: the run may free space before it saves
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"lp-lightning: warning: {str(tmp_path)!r} has 5.0 MB free, but one checkpoint of this run needs about "
+            "36.6 MB (FP32 masters and AdamW moments, 12 bytes per parameter); saves will fail unless space is "
+            "freed.") in err
+    monkeypatch.undo()
+    check_launch(parse_config(["--trainer.default_root_dir", str(tmp_path / "run")]))
+    assert "warning" not in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_at_save_time_stops_fit_with_one_line(tmp_path, token_cache_dir, isolated_dist, monkeypatch,
+                                                          capsys):
+    """Injected: the second checkpoint's shards fill the disk (ENOSPC from DCP's writer)."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from lp_lightning.checkpoint.dcp import verify_dcp_checkpoint
+
+    real_save, saves = dcp.save, []
+
+    def filling_save(state, *, checkpoint_id):
+        saves.append(checkpoint_id)
+        real_save(state, checkpoint_id=checkpoint_id)
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dcp, "save", filling_save)
+    root = ["--trainer.default_root_dir", str(tmp_path)]
+    code = main(["fit", *root, "--data.cache_dir", token_cache_dir, "--data.seq_len", "32", "--trainer.max_steps", "2",
+                 "--checkpoint.every_n_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+                 "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    checkpoints = tmp_path / "checkpoints"
+    line = (f"lp-lightning: checkpoint step-000002 not written: no space left in {str(checkpoints)!r} (it needs "
+            f"36.")
+    assert line in err and "the partial folder was removed, step-000001 is untouched. Free space, then rerun " \
+                           "with --ckpt_path last." in err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000001"]
+    verify_dcp_checkpoint(checkpoints / "step-000001")  # every byte as saved
+    section = parse_config(root)
+    section["ckpt_path"] = "last"
+    check_launch(section)
+    assert section["ckpt_path"] == str(checkpoints / "step-000001")

@@ -34,6 +34,8 @@ rebuild the 8-bit storage from it once (``LowPrecisionFabricPlugin.rebuild_after
 Writing is atomic per folder: every rank writes into a hidden sibling ``.<name>.partial/``, rank 0
 adds ``meta.pt`` and ``digests.json`` last and renames the folder into place, so a run killed while
 saving leaves the previous checkpoints untouched and no folder that looks complete but is not.
+A save that runs out of disk space removes its staging folder and raises
+:class:`~lp_lightning.checkpoint.space.CheckpointSpaceError` (one line: the folder, the bytes needed) on every rank.
 A state holding NaN/Inf (masters, AdamW moments; one fused check over all ranks,
 :func:`~lp_lightning.checkpoint.finite.first_nonfinite`) is never written: the save raises
 :class:`~lp_lightning.checkpoint.finite.NonFiniteStateError` before creating anything.
@@ -56,7 +58,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +85,19 @@ from lp_lightning.checkpoint.integrity import (
     read_digests,
     write_digests,
 )
+from lp_lightning.checkpoint.space import (
+    BYTES_PER_TENSOR,
+    SMALL_FILES_BYTES,
+    CheckpointSpaceError,
+    free_bytes,
+    out_of_space,
+)
 
 __all__ = [
     "DAMAGED_CHECKPOINT_FIX",
     "DIGESTS_FILENAME",
     "METADATA_FILENAME",
+    "CheckpointSpaceError",
     "DamagedCheckpointError",
     "NonFiniteStateError",
     "checkpoint_problem",
@@ -209,6 +219,8 @@ def save_dcp_checkpoint(
         ValueError: An optimizer key collides with a model key.
         NonFiniteStateError: A tensor holds NaN/Inf (on any rank) and ``allow_nonfinite`` is false;
             nothing has been written.
+        CheckpointSpaceError: The disk filled up while writing (on any rank; ENOSPC, or torch's "unexpected
+            pos" with no room left); the staging folder has been removed, earlier checkpoints are untouched.
     """
     path = Path(path)
     if path.is_file():
@@ -216,7 +228,8 @@ def save_dcp_checkpoint(
     _check_key_collisions(model_state, list(optimizer_states))
     state: dict[str, Any] = dict(model_state)
     state.update(optimizer_states)
-    bad = first_nonfinite(flatten_state(state))
+    tensors = flatten_state(state)
+    bad = first_nonfinite(tensors)
     if bad is not None and not allow_nonfinite:
         raise NonFiniteStateError(
             f"checkpoint {path.name} not written: {bad!r} holds NaN/Inf, and a checkpoint is never written from a "
@@ -224,24 +237,95 @@ def save_dcp_checkpoint(
             reason="non-finite state at checkpoint save", fqn=bad,
         )
     staging = path.parent / f".{path.name}.partial"
-    if rank == 0:
+    needed = sum(t.numel() * t.element_size() for _, t in tensors) + SMALL_FILES_BYTES + BYTES_PER_TENSOR * len(tensors)
+
+    def prepare() -> None:
         if staging.exists():  # left by a run killed while saving
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-    _barrier()
-    dcp.save(state, checkpoint_id=staging)
-    _, world = _rank_and_world()
-    shards = sorted(_dcp_files(dcp.FileSystemReader(str(staging)).read_metadata()))
-    records = _gather(file_records(staging, shards[rank::world]))  # each rank hashes its share
-    if rank == 0:
+
+    _settle(_attempt(prepare) if rank == 0 else None, path=path, staging=staging, needed=needed, rank=rank)
+    records: dict[str, Any] = {}
+
+    def write_shards() -> None:
+        dcp.save(state, checkpoint_id=staging)
+        _, world = _rank_and_world()
+        shards = sorted(_dcp_files(dcp.FileSystemReader(str(staging)).read_metadata()))
+        records.update(file_records(staging, shards[rank::world]))  # each rank hashes its share
+
+    failure = _attempt(write_shards)
+    parts = _gather((records, _report(failure, staging, needed)))
+    _settle(failure, path=path, staging=staging, needed=needed, rank=rank, reports=[r for _, r in parts])
+
+    def finish() -> None:
         torch.save(dict(metadata), staging / METADATA_FILENAME)
         files = file_records(staging, _SMALL_FILES)
-        for part in records:
+        for part, _ in parts:
             files.update(part)
         write_digests(staging, files, finite=bad is None, first_nonfinite=bad)
         _move_into_place(staging, path)
-    _barrier()
+
+    _settle(_attempt(finish) if rank == 0 else None, path=path, staging=staging, needed=needed, rank=rank)
     return path
+
+
+_Failure = Exception | dcp.CheckpointException
+"""What a save step may fail with: DCP's ``CheckpointException`` (every rank's write errors) is a ``BaseException``."""
+
+
+def _attempt(step: Callable[[], None]) -> _Failure | None:
+    """Runs one step of a save; the exception it raised (not an interrupt: those propagate), or ``None``."""
+    try:
+        step()
+    except (Exception, dcp.CheckpointException) as err:  # sorted out by _settle, on every rank alike
+        return err
+    return None
+
+
+def _report(err: _Failure | None, staging: Path, needed: int) -> tuple[bool, str] | None:
+    """What a rank tells the others of its step: ``(out of space, the error's first line)``, ``None`` if it passed."""
+    if err is None:
+        return None
+    lines = str(err).strip().splitlines()
+    return out_of_space(err, staging, needed), f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def _settle(
+    err: _Failure | None, *, path: Path, staging: Path, needed: int, rank: int,
+    reports: list[tuple[bool, str] | None] | None = None,
+) -> None:
+    """After one step of a save, raises on every rank if the step failed on any (collective: gathers ``reports``
+    unless given).
+
+    Out of space on any rank: rank 0 removes the staging folder and every rank raises
+    :class:`~lp_lightning.checkpoint.space.CheckpointSpaceError`. Another error: the rank that met it re-raises
+    it, the others raise a ``RuntimeError`` naming that rank (instead of waiting in the next collective).
+    """
+    if reports is None:
+        reports = _gather(_report(err, staging, needed))
+    failed = [(index, report) for index, report in enumerate(reports) if report is not None]
+    if not failed:
+        return
+    if any(space for _, (space, _) in failed):
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        _barrier()  # the staging folder is gone before any rank reads the free space
+        newest = _newest_checkpoint(path)
+        raise CheckpointSpaceError(path, needed=needed, free=free_bytes(path.parent), newest=newest) from err
+    if err is not None:
+        raise err
+    index, (_, line) = failed[0]
+    raise RuntimeError(f"checkpoint {path.name} not written: rank {index} failed ({line}).")
+
+
+def _newest_checkpoint(path: Path) -> str | None:
+    """The most recently written ``step-*`` folder beside ``path`` (``path`` itself when a failed save meant to replace
+    it): the one ``--ckpt_path last`` tries first."""
+    # Imported here: resume imports this module.
+    from lp_lightning.checkpoint.resume import checkpoint_folders
+
+    newest = next(iter(checkpoint_folders(path.parent)), None)
+    return None if newest is None else str(newest)
 
 
 def _barrier() -> None:

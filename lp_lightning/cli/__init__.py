@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lp_lightning.cli.fit import LPLightningCLI, parse_config, plan_settings
 from lp_lightning.cli.launch import NothingToDo, is_rank_zero
-from lp_lightning.checkpoint.dcp import DamagedCheckpointError, NonFiniteStateError
+from lp_lightning.checkpoint.dcp import CheckpointSpaceError, DamagedCheckpointError, NonFiniteStateError
 from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV
 from lp_lightning.lightning.preemption import SignalStop
 
@@ -115,9 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         Exit status: 0 on success; 143 (128 + SIGTERM) when a SIGTERM or SIGUSR1 stopped training
         early (a scheduler's preemption), 130 for SIGINT (Ctrl-C), so a job script can tell it from
-        a finished run (rank 0 prints the resume command); 1 when the
-        non-finite guard stopped training or the checkpoint to resume from is damaged (one line on
-        stderr), or the startup gate failed; argument errors exit with status 2 through ``SystemExit``.
+        a finished run (rank 0 prints the resume command); 1 when the non-finite guard stopped
+        training, the checkpoint to resume from is damaged or a checkpoint save ran out of disk space
+        (one line on stderr), or the startup gate failed; argument errors exit with status 2 through
+        ``SystemExit``.
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] in (["-h"], ["--help"]):
@@ -144,9 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if is_rank_zero():
             print(f"lp-lightning: {done}", file=sys.stderr)
         return 0
-    except (NonFiniteStateError, DamagedCheckpointError) as err:
-        # The non-finite guard stopped training, or the checkpoint to resume from is damaged: every rank
-        # raised the same error; one line (step, skips, reason, FQN / file, last good checkpoint), no traceback.
+    except (NonFiniteStateError, DamagedCheckpointError, CheckpointSpaceError) as err:
+        # The non-finite guard stopped training, the checkpoint to resume from is damaged, or a save ran out of disk
+        # space: every rank raised the same error; one line (step, skips, reason, FQN / file / bytes, last good
+        # checkpoint), no traceback.
         if is_rank_zero():
             print(f"lp-lightning: {err}", file=sys.stderr)
         return 1

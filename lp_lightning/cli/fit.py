@@ -266,7 +266,7 @@ def _plan_rules(specs: list[dict[str, Any]] | None) -> tuple[Any, ...] | None:
     return rules_from_config([dict(spec) for spec in specs])
 
 
-def _check_section(section: Namespace, *, launch: bool) -> None:
+def _check_section(section: Namespace, *, launch: bool, saves_checkpoints: bool = False) -> None:
     """Everything :meth:`LPLightningCLI.parse_arguments` checks, in order (design spec §15).
 
     Raises:
@@ -280,7 +280,7 @@ def _check_section(section: Namespace, *, launch: bool) -> None:
     rules = _plan_rules(section.get("plan_overrides"))
     if launch:
         with stage("launch_check"):
-            check_launch(section, plan_rules=rules)
+            check_launch(section, plan_rules=rules, saves_checkpoints=saves_checkpoints)
 
 
 class LPLightningCLI(LightningCLI):
@@ -417,7 +417,7 @@ class LPLightningCLI(LightningCLI):
         target = self._subcommand_parsers[subcommand] if subcommand else parser
         self._resume_fallback = section.get("ckpt_path") == "last"  # before the launch checks resolve it
         try:
-            _check_section(section, launch=subcommand is not None)
+            _check_section(section, launch=subcommand is not None, saves_checkpoints=subcommand == "fit")
         except (TypeError, ValueError, ImportError) as err:
             target.error(str(err))
 

@@ -1,10 +1,12 @@
 """The launch checks of ``lp-lightning fit``: what would otherwise fail only inside every launched process.
 
 :func:`check_launch` runs once, after parsing and before any Trainer, process or model exists
-(design spec §15 "startup"): the accelerator, ``ckpt_path`` (``last`` resolved to the newest
-complete checkpoint folder), the data sources and tokenizer, the world size against ``torchrun``
-and the batch geometry, and in mxfp8/hif8 the replacement plan and the shard rule on the meta
-model. A failure is a usage error (:mod:`lp_lightning.cli.fit` exits with status 2).
+(design spec §15 "startup"): the accelerator, the output folders (writable), ``ckpt_path``
+(``last`` resolved to the newest complete checkpoint folder), the data (sources and tokenizer, text
+unless ``data.allow_binary``, enough tokens for one train sequence and one validation batch), the
+world size against ``torchrun`` and the batch geometry, room for one checkpoint (a warning), and in
+mxfp8/hif8 the replacement plan and the shard rule on the meta model. A failure is a usage error
+(:mod:`lp_lightning.cli.fit` exits with status 2). Nothing is created on disk before the checks pass.
 """
 
 from __future__ import annotations
@@ -17,15 +19,21 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
+from torch import nn
 
 from lp_lightning.config import FSDP2Config
-from lp_lightning.data.corpus import resolve_corpus
+from lp_lightning.data.checks import check_corpus_size
+from lp_lightning.data.corpus import first_binary_file, resolve_corpus
+from lp_lightning.data.token_cache import default_cache_dir, find_token_cache
 from lp_lightning.data.tokenizer import load_tokenizer
 from lp_lightning.checkpoint.dcp import is_dcp_checkpoint
 from lp_lightning.checkpoint.integrity import DamagedCheckpointError
 from lp_lightning.checkpoint.resume import check_explicit_checkpoint, latest_checkpoint
+from lp_lightning.checkpoint.space import checkpoint_bytes, existing_ancestor, format_bytes, free_bytes
 from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.datamodule import check_batch_geometry
+from lp_lightning.models.adapter import adapter_for_config
+from lp_lightning.observers import stage
 
 __all__ = ["NothingToDo", "check_launch", "is_rank_zero", "launch_world_size"]
 
@@ -79,22 +87,28 @@ def _latest_checkpoint(folder: Path) -> Path | None:
     return latest_checkpoint(folder, on_skip=note)
 
 
-def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None) -> None:
+def check_launch(
+    section: Namespace, *, plan_rules: Sequence[Any] | None = None, saves_checkpoints: bool = True
+) -> None:
     """Checks what would otherwise fail only inside every launched process.
 
-    Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
+    Checks that the output folders can be written (:func:`_check_output_folders`; nothing is
+    created), resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
-    passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that ``data.sources`` resolve and
-    ``data.tokenizer`` loads, that
+    passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that
+    ``data.sources`` resolve, are text and hold enough tokens, and ``data.tokenizer`` loads
+    (:func:`_check_data`), that
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
-    In mxfp8/hif8 it then compiles the replacement plan once on the model's meta twin
-    (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`).
+    With ``saves_checkpoints`` it warns when the checkpoint folder's disk has no room for one checkpoint
+    (:func:`_warn_checkpoint_room`). In mxfp8/hif8 it then compiles the replacement plan once on the model's
+    meta twin (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`).
 
     Args:
         section: The subcommand's config.
         plan_rules: The run's ``plan_overrides`` rules (``None``: the model adapter's default).
+        saves_checkpoints: Whether the subcommand writes checkpoints (``fit``; ``validate`` does not).
 
     Raises:
         ValueError, TypeError, ImportError: naming the key, the values and the fix.
@@ -102,6 +116,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
     trainer = section["trainer"]
     if (accelerator_error := npu_accelerator_error(trainer.get("accelerator"))) is not None:
         raise ValueError(accelerator_error)
+    _check_output_folders(section)
     ckpt_path = section.get("ckpt_path")
     if ckpt_path is not None:
         checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")
@@ -134,7 +149,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
                 "is not a DCP checkpoint folder (design spec §11, §15: only DCP checkpoints are read)"
             )
             raise ValueError(f"ckpt_path={ckpt_path!r} {what}; {hint}.")
-    _check_data_sources_and_tokenizer(section["data"])
+    _check_data(section["data"], trainer)
     world_size = launch_world_size(trainer)
     if world_size is not None:  # what the strategy checks on each rank once the process group exists
         FSDP2Config(**section["fsdp_config"].as_dict()).resolve_dp_shard_size(world_size)
@@ -142,32 +157,134 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
     global_batch_size = section["data"].get("global_batch_size")
     if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
         check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
-    if section["precision"] != "bf16":
-        # Imported here: a low-precision launch only; a bf16 run loads no plan, model-adapter or shard-rule module.
+    low_precision = section["precision"] != "bf16"
+    meta = _meta_model(section["model"]) if saves_checkpoints or low_precision else None
+    if saves_checkpoints:
+        _warn_checkpoint_room(section, meta)
+    if low_precision:
+        # Imported here: a low-precision launch only; a bf16 run loads no plan or shard-rule module.
         from lp_lightning.cli.launch_low_precision import check_low_precision_launch
 
-        check_low_precision_launch(section, plan_rules, world_size)
+        check_low_precision_launch(section, plan_rules, world_size, meta)
 
 
-def _check_data_sources_and_tokenizer(data: Namespace) -> None:
-    """The corpus sources resolve to readable files and the tokenizer loads, before any process starts.
+def _meta_model(model: Namespace) -> nn.Module:
+    """The structure-only model of ``model.*`` (meta device: no memory, milliseconds even for 16B)."""
+    name = model.get("config_name_or_path")
+    with stage("meta_model_build"):
+        return adapter_for_config(name).build_meta_model(
+            name,
+            config_overrides=model.get("config_overrides"),
+            attn_implementation=model.get("attn_implementation") or "sdpa",
+        )
 
-    Otherwise every rank fails in ``prepare_data``/``setup`` after the process group exists. Cheap:
-    the sources are listed and stat-ed (not read) and the tokenizer folder is loaded once.
+
+_OUTPUTS = {
+    "trainer.default_root_dir": "logs/, checkpoints/ and run_summary.json",
+    "checkpoint.dirpath": "the checkpoint folders",
+    "run_summary.path": "run_summary.json",
+    "data.cache_dir": "the token cache of these sources (built on first use)",
+}
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why files cannot be created in ``folder`` (or the folder itself), or ``None``; creates nothing."""
+    existing = existing_ancestor(folder)
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file"
+    if os.access(existing, os.W_OK | os.X_OK):
+        return None
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{str(existing)!r} is on a read-only file system"
+    return f"{str(existing)!r} is not writable by this user"
+
+
+def _raise_if_unwritable(key: str, value: object, folder: Path) -> None:
+    if (problem := _unwritable(folder)) is not None:
+        raise ValueError(
+            f"{key}={str(value)!r} cannot be written: {problem}; lp-lightning writes {_OUTPUTS[key]} there. "
+            f"Pass a writable --{key}."
+        )
+
+
+def _check_output_folders(section: Namespace) -> None:
+    """``trainer.default_root_dir``, ``checkpoint.dirpath`` and ``run_summary.path``'s folder can be written.
+
+    Otherwise the CSV logger fails after launch with a traceback, once per rank. Checked on the nearest
+    existing folder (``os.access``), so nothing is created here.
 
     Raises:
-        ValueError, TypeError: from :func:`~lp_lightning.data.corpus.resolve_corpus` /
-            :func:`~lp_lightning.data.tokenizer.load_tokenizer`, prefixed with the ``data.*`` key.
+        ValueError: Naming the key, the folder that refuses and the fix.
+    """
+    root = section["trainer"].get("default_root_dir") or "."
+    _raise_if_unwritable("trainer.default_root_dir", root, Path(root))
+    if dirpath := (section.get("checkpoint") or Namespace()).get("dirpath"):
+        _raise_if_unwritable("checkpoint.dirpath", dirpath, Path(dirpath))
+    if summary := (section.get("run_summary") or Namespace()).get("path"):
+        _raise_if_unwritable("run_summary.path", summary, Path(summary).parent)
+
+
+def _warn_checkpoint_room(section: Namespace, meta: nn.Module) -> None:
+    """Warns (rank 0, stderr) when the checkpoint folder's disk has less free than one checkpoint of the model.
+
+    A warning, not an error: the run may free space before its first save. The size is 12 bytes per
+    parameter (:func:`~lp_lightning.checkpoint.space.checkpoint_bytes`), the free space ``shutil.disk_usage``.
+    """
+    checkpoint = section.get("checkpoint") or Namespace()
+    if not checkpoint.get("every_n_steps") and not checkpoint.get("save_last", True):
+        return  # no checkpoint is ever written
+    folder = Path(checkpoint.get("dirpath") or Path(section["trainer"].get("default_root_dir") or ".") / "checkpoints")
+    parameters = list(meta.parameters())
+    needed = checkpoint_bytes(sum(p.numel() for p in parameters), len(parameters))
+    free = free_bytes(folder)
+    if free < needed and is_rank_zero():
+        print(
+            f"lp-lightning: warning: {str(existing_ancestor(folder))!r} has {format_bytes(free)} free, but one "
+            f"checkpoint of this run needs about {format_bytes(needed)} (FP32 masters and AdamW moments, 12 bytes "
+            "per parameter); saves will fail unless space is freed.",
+            file=sys.stderr,
+        )
+
+
+def _check_data(data: Namespace, trainer: Namespace) -> None:
+    """The corpus resolves, is text and holds enough tokens, and the tokenizer loads, before any process starts.
+
+    Otherwise every rank fails in ``prepare_data``/``setup`` after the process group exists (or trains on a
+    binary file). Cheap: the sources are listed and stat-ed, the first MiB of each is read
+    (:func:`~lp_lightning.data.corpus.first_binary_file`, skipped with ``data.allow_binary``), the tokens are
+    counted from the sizes, an existing token cache or, for a small corpus, in memory
+    (:func:`~lp_lightning.data.checks.check_corpus_size`); the tokenizer folder is loaded once. Without a token
+    cache of these sources, ``data.cache_dir`` must be writable. Nothing is written.
+
+    Raises:
+        ValueError, TypeError: Prefixed with the ``data.*`` key, naming the file and the fix.
     """
     sources = data.get("sources")
     if isinstance(sources, str):
         sources = [sources]  # one path or glob, as the data module takes it
     try:
-        resolve_corpus(list(sources) if sources else None, max_bytes=data.get("max_corpus_bytes"))
+        corpus = resolve_corpus(list(sources) if sources else None, max_bytes=data.get("max_corpus_bytes"))
     except (ValueError, TypeError) as err:
         raise type(err)(f"data.sources: {err}") from None
-    tokenizer = data.get("tokenizer") or "byte"
+    tokenizer_name = data.get("tokenizer") or "byte"
     try:
-        load_tokenizer(tokenizer)
+        tokenizer = load_tokenizer(tokenizer_name)
     except (ValueError, TypeError, OSError) as err:
-        raise ValueError(f"data.tokenizer={tokenizer!r}: {err}") from None
+        raise ValueError(f"data.tokenizer={tokenizer_name!r}: {err}") from None
+    if not data.get("allow_binary") and (binary := first_binary_file(corpus)) is not None:
+        source, problem = binary
+        raise ValueError(
+            f"data.sources: {str(source.path)!r} is not text: {problem}. Pass text files, or --data.allow_binary "
+            "true to train on it (undecodable bytes become U+FFFD)."
+        )
+    cache_dir = data.get("cache_dir")
+    if find_token_cache(corpus, tokenizer, cache_dir) is None:
+        _raise_if_unwritable("data.cache_dir", cache_dir or default_cache_dir(), Path(cache_dir or default_cache_dir()))
+    limit_val_batches = trainer.get("limit_val_batches")
+    accumulation = trainer.get("accumulate_grad_batches") or 1
+    micro_batch = data.get("global_batch_size") // accumulation if isinstance(accumulation, int) else None
+    check_corpus_size(
+        corpus, tokenizer, seq_len=data.get("seq_len"), val_fraction=data.get("val_fraction"),
+        val_batch_size=None if limit_val_batches == 0 else (data.get("val_batch_size") or micro_batch or None),
+        cache_dir=cache_dir,
+    )

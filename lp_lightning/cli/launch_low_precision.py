@@ -1,7 +1,7 @@
 """The launch check of an mxfp8/hif8 ``lp-lightning fit``: the replacement plan compiled once on the meta
 model, and the shard rule over the launch's world size (design spec §15).
 
-It imports the plan, the model adapters and the FSDP2 shard rules at module top;
+It imports the plan and the FSDP2 shard rules at module top;
 :func:`lp_lightning.cli.launch.check_launch` loads it for a low-precision launch only, so a bf16 run
 imports none of them.
 """
@@ -12,17 +12,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from jsonargparse import Namespace
+from torch import nn
 
 from lp_lightning.fsdp.sharding import illegal_shards_error, planned_shard_violations
-from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.models.replacement import replacement_plan
-from lp_lightning.observers import stage
 from lp_lightning.policy import LowPrecisionConfig
 
 __all__ = ["check_low_precision_launch"]
 
 
-def check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None) -> None:
+def check_low_precision_launch(
+    section: Namespace, plan_rules: Sequence[Any] | None, world_size: int | None, meta: nn.Module
+) -> None:
     """Compiles the plan once on the meta model of ``model.*`` and checks the shard rule (design spec §15).
 
     The plan of every rank (:func:`~lp_lightning.models.replacement.replacement_plan`) compiled and applied on the
@@ -33,17 +34,12 @@ def check_low_precision_launch(section: Namespace, plan_rules: Sequence[Any] | N
     "Placements") is listed in one error (FQN, shape, rows per rank, the fix) instead of one
     traceback per rank; the strategy's per-rank check stays as a guard.
 
+    ``meta`` is the meta model of ``model.*`` (:func:`lp_lightning.cli.launch.check_launch` builds it); the plan is
+    applied to it.
+
     Raises:
         TypeError, ValueError, ImportError: from the plan, or the illegal shards.
     """
-    model = section["model"]
-    name = model.get("config_name_or_path")
-    with stage("meta_model_build"):
-        meta = adapter_for_config(name).build_meta_model(
-            name,
-            config_overrides=model.get("config_overrides"),
-            attn_implementation=model.get("attn_implementation") or "sdpa",
-        )
     policy = LowPrecisionConfig.from_precision(section["precision"]).to_policy()
     replacement_plan(meta, policy, plan_rules).apply(meta)
     fallback = section["fsdp_config"].get("fallback_to_unsharded")

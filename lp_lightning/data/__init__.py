@@ -11,8 +11,9 @@ Typical use (what the Lightning/CLI layer does)::
     loader = DataLoader(StepBatchStream(ds, start_step=global_step, max_steps=max_steps),
                         batch_size=None)
 
-Modules: ``corpus`` (which files), ``tokenizer`` (byte / local HF tokenizer.json),
-``token_cache`` (tokenise once, memmap, train/val split), ``batches`` (sampling and datasets).
+Modules: ``corpus`` (which files; text or binary), ``tokenizer`` (byte / local HF tokenizer.json),
+``token_cache`` (tokenise once, memmap, train/val split), ``batches`` (sampling and datasets),
+``checks`` (enough tokens for one train sequence and one validation batch, counted before any build).
 """
 
 from lp_lightning.data.batches import (
@@ -31,7 +32,9 @@ from lp_lightning.data.corpus import (
     TEXT_SUFFIXES,
     Corpus,
     SourceFile,
+    binary_problem,
     default_corpus,
+    first_binary_file,
     resolve_corpus,
 )
 from lp_lightning.data.token_cache import (
@@ -42,6 +45,7 @@ from lp_lightning.data.token_cache import (
     build_token_cache,
     cache_key,
     default_cache_dir,
+    find_token_cache,
     split_bounds,
     token_dtype_for,
 )
@@ -69,10 +73,13 @@ __all__ = [
     "Tokenizer",
     "ValBatchDataset",
     "batch_for",
+    "binary_problem",
     "build_token_cache",
     "cache_key",
     "default_cache_dir",
     "default_corpus",
+    "find_token_cache",
+    "first_binary_file",
     "inputs_and_labels",
     "load_tokenizer",
     "num_val_batches",

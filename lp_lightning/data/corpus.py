@@ -22,13 +22,20 @@ User sources (``sources=[...]``), expanded in the order given, duplicates droppe
   (``**`` spans folders); matched files are taken as-is, matched folders expand as above.
 
 A source that matches no file raises ``ValueError`` naming it.
+
+Text or not (:func:`binary_problem`, :func:`first_binary_file`): a file whose first
+:data:`TEXT_CHECK_BYTES` (1 MiB) hold a NUL byte, or more than :data:`MAX_INVALID_UTF8_FRACTION` (1 %)
+bytes that are not valid UTF-8, is not text; ``lp-lightning fit`` and ``PretrainDataModule`` refuse
+it unless ``data.allow_binary`` is true (the token cache would train on U+FFFD replacements).
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import os
+import re
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,11 +43,15 @@ from pathlib import Path
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
+    "MAX_INVALID_UTF8_FRACTION",
     "STDLIB_EXCLUDED_DIRS",
+    "TEXT_CHECK_BYTES",
     "TEXT_SUFFIXES",
     "Corpus",
     "SourceFile",
+    "binary_problem",
     "default_corpus",
+    "first_binary_file",
     "resolve_corpus",
 ]
 
@@ -62,6 +73,17 @@ TEXT_SUFFIXES: frozenset[str] = frozenset(
 """File suffixes (lower-cased) taken when a folder is expanded."""
 
 _GLOB_CHARS = frozenset("*?[")
+
+TEXT_CHECK_BYTES = 1 << 20
+"""Bytes read from the start of each file to tell text from binary (1 MiB)."""
+
+TEXT_CHECK_TOTAL_BYTES = 64 << 20
+"""Once this much has been read for one corpus, later files are checked on their first 4 KiB only."""
+
+MAX_INVALID_UTF8_FRACTION = 0.01
+"""Share of the bytes read that may be invalid UTF-8 in a text file (Latin-1 accents in English text pass)."""
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # what ``surrogateescape`` turns each undecodable byte into
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +145,41 @@ class Corpus:
         """Yields each file's text (UTF-8, ``errors="replace"``) in order."""
         for f in self.files:
             yield f.read_text()
+
+
+def binary_problem(path: str | os.PathLike[str], *, prefix_bytes: int = TEXT_CHECK_BYTES) -> str | None:
+    """Why ``path`` is not text, judged on its first ``prefix_bytes``; ``None`` when it is.
+
+    Returns:
+        ``"it holds a NUL byte (at byte 12)"`` or ``"300 of its first 1000 bytes are not valid UTF-8"``.
+    """
+    with open(path, "rb") as stream:
+        head = stream.read(prefix_bytes)
+        whole = len(head) < prefix_bytes or not stream.read(1)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        return f"it holds a NUL byte (at byte {nul})"
+    # final=False: a character cut by the end of the prefix is not counted as invalid.
+    text = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(head, final=whole)
+    invalid = len(text) - len(_ESCAPED_BYTE.sub("", text))
+    if invalid > MAX_INVALID_UTF8_FRACTION * len(head):
+        return f"{invalid} of its {'' if whole else 'first '}{len(head)} bytes are not valid UTF-8"
+    return None
+
+
+def first_binary_file(corpus: Corpus) -> tuple[SourceFile, str] | None:
+    """The first file of ``corpus`` that is not text, with :func:`binary_problem`'s reason; ``None`` if all are text.
+
+    Reads at most :data:`TEXT_CHECK_BYTES` per file; after :data:`TEXT_CHECK_TOTAL_BYTES` in all, 4 KiB per file.
+    """
+    read = 0
+    for source in corpus.files:
+        prefix = TEXT_CHECK_BYTES if read < TEXT_CHECK_TOTAL_BYTES else 4096
+        problem = binary_problem(source.path, prefix_bytes=prefix)
+        if problem is not None:
+            return source, problem
+        read += min(prefix, source.size)
+    return None
 
 
 def _walk_sorted(root: Path, *, excluded_dirs: frozenset[str], suffixes: frozenset[str] | None,

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from lp_lightning import __version__
-from lp_lightning.data.corpus import Corpus, SourceFile, resolve_corpus
+from lp_lightning.data.corpus import Corpus, SourceFile, first_binary_file, resolve_corpus
 from lp_lightning.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "build_token_cache",
     "cache_key",
     "default_cache_dir",
+    "find_token_cache",
     "split_bounds",
     "token_dtype_for",
 ]
@@ -327,12 +328,24 @@ def _tokenise_to(tmp_path: Path, corpus: Corpus, tokenizer: Tokenizer, dtype: np
     return n_tokens, digest.hexdigest()
 
 
+def find_token_cache(
+    corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike[str] | None = None
+) -> TokenCache | None:
+    """The complete cache of ``(corpus, tokenizer)`` under ``cache_dir`` (``None``: :func:`default_cache_dir`), or
+    ``None``; creates and writes nothing."""
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    bin_path = folder / f"{cache_key(corpus, tokenizer)}.bin"
+    meta = _read_valid_meta(bin_path)
+    return None if meta is None else TokenCache(bin_path, meta, built=False)
+
+
 def build_token_cache(
     sources: Corpus | Sequence[str | os.PathLike[str]] | None = None,
     tokenizer: Tokenizer | str | os.PathLike[str] = "byte",
     cache_dir: str | os.PathLike[str] | None = None,
     *,
     max_bytes: int | None = None,
+    allow_binary: bool = True,
 ) -> TokenCache:
     """Tokenises a corpus once into ``<cache_dir>/<key>.bin`` (+ sidecar) and memory-maps it.
 
@@ -348,13 +361,16 @@ def build_token_cache(
             (see :func:`~lp_lightning.data.tokenizer.load_tokenizer`).
         cache_dir: Folder for the cache files; ``None`` -> :func:`default_cache_dir`.
         max_bytes: Corpus byte cap forwarded to ``resolve_corpus`` (ignored for a ``Corpus``).
+        allow_binary: ``False`` refuses, before a build, a file that is not text
+            (:func:`~lp_lightning.data.corpus.binary_problem`: NUL bytes, invalid UTF-8).
 
     Returns:
         A :class:`TokenCache` whose ``tokens`` is a read-only ``np.memmap`` ``[n_tokens]``.
 
     Raises:
         ValueError: For unresolvable sources or tokenizers (see those functions), ids outside
-            the tokenizer's vocabulary, or a source that changes during tokenisation.
+            the tokenizer's vocabulary, a source that changes during tokenisation, or (``allow_binary=False``)
+            a source that is not text.
     """
     if isinstance(sources, Corpus):
         corpus = sources
@@ -373,6 +389,12 @@ def build_token_cache(
     meta = _read_valid_meta(bin_path)
     if meta is not None:
         return TokenCache(bin_path, meta, built=False)
+    binary = None if allow_binary else first_binary_file(corpus)
+    if binary is not None:
+        raise ValueError(
+            f"build_token_cache: {str(binary[0].path)!r} is not text: {binary[1]}. Pass text files, or "
+            "allow_binary=True (data.allow_binary) to train on it with U+FFFD for the undecodable bytes."
+        )
 
     folder.mkdir(parents=True, exist_ok=True)
     _remove_orphaned_temp_files(folder)

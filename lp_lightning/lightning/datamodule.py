@@ -126,6 +126,8 @@ class PretrainDataModule(pl.LightningDataModule):
         val_batches: Number of fixed validation batches per evaluation (``null`` = all that fit).
         val_batch_size: Sequences per validation batch over all ranks (``null`` = the size of one
             training micro-batch, ``global_batch_size // accumulate_grad_batches``).
+        allow_binary: Tokenise source files that are not text (a NUL byte or over 1 % invalid UTF-8 in
+            their first MiB; undecodable bytes become U+FFFD); ``false`` refuses them, naming the file.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class PretrainDataModule(pl.LightningDataModule):
         val_fraction: float = 0.05,
         val_batches: int | None = 4,
         val_batch_size: int | None = None,
+        allow_binary: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("global_batch_size", global_batch_size), ("seq_len", seq_len)):
@@ -158,10 +161,14 @@ class PretrainDataModule(pl.LightningDataModule):
         self.val_fraction = val_fraction
         self.val_batches = val_batches
         self.val_batch_size = val_batch_size
+        self.allow_binary = allow_binary
         self.cache: TokenCache | None = None
 
     def _build_cache(self) -> TokenCache:
-        return build_token_cache(self.sources, self.tokenizer, self.cache_dir, max_bytes=self.max_corpus_bytes)
+        return build_token_cache(
+            self.sources, self.tokenizer, self.cache_dir, max_bytes=self.max_corpus_bytes,
+            allow_binary=self.allow_binary,
+        )
 
     @override
     def prepare_data(self) -> None:

@@ -132,7 +132,8 @@ def _script_case(name: str, case_dir: Path) -> None:
 
 
 def _write_files(case: IllegalCase, case_dir: Path) -> None:
-    (case_dir / "corpus.txt").write_text("Every illegal configuration fails at its stage.\n" * 64)
+    # 12.5 kB: one validation batch of the 16B configs' 8 x (32 + 1) tokens fits in its 5 % split.
+    (case_dir / "corpus.txt").write_text("Every illegal configuration fails at its stage.\n" * 256)
     for name, content in case.files:
         if isinstance(content, str):
             (case_dir / name).write_text(content)
