@@ -58,9 +58,11 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
 
 Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder), or
 ``--ckpt_path last`` for the newest complete one under the checkpoint folder (none yet: the run
-starts from step 0, so a job script may pass ``last`` on every start). At launch, ``last`` skips
-folders that fail the quick check (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite),
-naming each; at load, every file's SHA-256 is checked and a damaged folder is skipped, naming it,
+starts from step 0, so a job script may pass ``last`` on every start; at ``trainer.max_steps``:
+nothing to do, exit status 0). ``lp-lightning validate --ckpt_path last`` validates the newest
+complete checkpoint whatever its step (none: exit status 2), restoring the weights only. At
+launch, ``last`` skips folders that fail the quick check (sizes, ``.metadata``/``meta.pt``
+digests, saved non-finite), naming each; at load, every file's SHA-256 is checked and a damaged folder is skipped, naming it,
 for the newest intact older one (``FSDP2Strategy(resume_fallback=True)``). An explicit path to a
 damaged folder fails, naming the file and the last good checkpoint: at launch (exit status 2) or,
 for bytes changed in place, when it is loaded before training (exit status 1). The path, the batch
@@ -236,8 +238,9 @@ def _plan_rules(specs: list[dict[str, Any]] | None) -> tuple[Any, ...] | None:
     return rules_from_config([dict(spec) for spec in specs])
 
 
-def _check_section(section: Namespace, *, launch: bool) -> None:
-    """Everything :meth:`LPLightningCLI.parse_arguments` checks, in order (design spec §15).
+def _check_section(section: Namespace, *, subcommand: str | None) -> None:
+    """Everything :meth:`LPLightningCLI.parse_arguments` checks, in order (design spec §15); the launch
+    checks only with a subcommand (``fit``/``validate``).
 
     Raises:
         TypeError, ValueError, ImportError: the first failing check, naming the key and the fix.
@@ -248,9 +251,9 @@ def _check_section(section: Namespace, *, launch: bool) -> None:
     if refused is not None:
         raise ValueError(refused)
     rules = _plan_rules(section.get("plan_overrides"))
-    if launch:
+    if subcommand is not None:
         with stage("launch_check"):
-            check_launch(section, plan_rules=rules)
+            check_launch(section, plan_rules=rules, subcommand=subcommand)
 
 
 class LPLightningCLI(LightningCLI):
@@ -386,7 +389,7 @@ class LPLightningCLI(LightningCLI):
         target = self._subcommand_parsers[subcommand] if subcommand else parser
         self._resume_fallback = section.get("ckpt_path") == "last"  # before the launch checks resolve it
         try:
-            _check_section(section, launch=subcommand is not None)
+            _check_section(section, subcommand=subcommand)
         except (TypeError, ValueError, ImportError) as err:
             target.error(str(err))
 

@@ -79,10 +79,11 @@ def _latest_checkpoint(folder: Path) -> Path | None:
     return latest_checkpoint(folder, on_skip=note)
 
 
-def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None) -> None:
+def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None, subcommand: str = "fit") -> None:
     """Checks what would otherwise fail only inside every launched process.
 
-    Resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
+    Resolves ``ckpt_path: last`` to the newest complete checkpoint folder (``validate``: whatever its
+    step; ``fit``: "nothing to do" at ``trainer.max_steps``), checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
     passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that ``data.sources`` resolve and
     ``data.tokenizer`` loads, that
@@ -95,6 +96,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
     Args:
         section: The subcommand's config.
         plan_rules: The run's ``plan_overrides`` rules (``None``: the model adapter's default).
+        subcommand: ``fit`` or ``validate``.
 
     Raises:
         ValueError, TypeError, ImportError: naming the key, the values and the fix.
@@ -108,6 +110,8 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
         if ckpt_path == "last":
             # As Lightning's "last": a job script can pass it on every (re)start; the first one starts fresh.
             latest = _latest_checkpoint(checkpoints)
+            if latest is None and subcommand == "validate":
+                raise ValueError(_nothing_to_validate(checkpoints))
             if latest is None:
                 print(
                     f"lp-lightning: ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}; "
@@ -116,7 +120,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
                 )
             else:
                 step, max_steps = _checkpoint_step(latest), trainer.get("max_steps")
-                if step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
+                if subcommand == "fit" and step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
                     raise NothingToDo(
                         f"ckpt_path=last: the newest checkpoint {str(latest)!r} is at step {step} and "
                         f"trainer.max_steps={max_steps}: the run is complete, nothing to do. Raise "
@@ -147,6 +151,13 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None)
         from lp_lightning.cli.launch_low_precision import check_low_precision_launch
 
         check_low_precision_launch(section, plan_rules, world_size)
+
+
+def _nothing_to_validate(checkpoints: Path) -> str:
+    return (
+        f"ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}, so there is nothing to validate; "
+        "train first (lp-lightning fit with the same --config/--precision), or pass --ckpt_path <checkpoint folder>."
+    )
 
 
 def _check_data_sources_and_tokenizer(data: Namespace) -> None:
