@@ -42,6 +42,9 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   gradient norm, and at once when a master weight holds NaN/Inf; it prints one line (step, skip
   count, reason, first offending FQN, last good checkpoint) and exits with status 1, and nothing
   is saved from the non-finite state (docs/architecture.md "The non-finite guard").
+* ``--overwrite`` (default false): a fresh ``fit`` (no ``ckpt_path``) whose checkpoint folder holds
+  ``step-*`` folders stops before training (exit status 2) unless it is true; the default
+  ``trainer.default_root_dir`` ``runs/dsv3_tiny/{precision}`` gives each precision its own folder.
 
 The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
 as instances (``FSDP2Strategy``, ``precision_plugin(...)``); setting ``--trainer.strategy``,
@@ -56,7 +59,7 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
     torchrun --nproc_per_node 2 -m lp_lightning.cli fit --trainer.devices 2
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml
 
-Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder), or
+Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/bf16/checkpoints/step-000020`` (a DCP folder), or
 ``--ckpt_path last`` for the newest complete one under the checkpoint folder (none yet: the run
 starts from step 0, so a job script may pass ``last`` on every start; at ``trainer.max_steps``:
 nothing to do, exit status 0). ``lp-lightning validate --ckpt_path last`` validates the newest
@@ -104,13 +107,13 @@ from lp_lightning.observers import stage
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
 from lp_lightning.telemetry.summary import RunSummaryCallback
 
-__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "parse_config", "plan_settings"]
+__all__ = ["PRECISION_FIELD", "TRAINER_DEFAULTS", "LPLightningCLI", "parse_config", "plan_settings"]
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
     "devices": 1,
     "max_steps": 40,
-    "default_root_dir": "runs/dsv3_tiny",
+    "default_root_dir": "runs/dsv3_tiny/{precision}",
     "val_check_interval": 20,
     "check_val_every_n_epoch": None,
     "num_sanity_val_steps": 0,
@@ -121,10 +124,23 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 """Trainer defaults of ``lp-lightning fit`` (= the ``trainer:`` block of ``configs/dsv3_tiny.yaml``).
 
+``default_root_dir``'s ``{precision}`` becomes the run's ``--precision`` while parsing (:data:`PRECISION_FIELD`).
 ``use_distributed_sampler`` must stay false: the datamodule already gives each rank its rows.
 ``val_check_interval`` counts training micro-batches (Lightning's unit); with
 ``accumulate_grad_batches: 1`` that is optimizer steps.
 """
+
+PRECISION_FIELD = "{precision}"
+"""Replaced by ``--precision`` in ``trainer.default_root_dir`` while parsing, so runs of each precision keep
+their own folder (``runs/dsv3_tiny/bf16``, ``runs/dsv3_tiny/mxfp8``)."""
+
+
+def _resolve_root_dir(section: Namespace) -> None:
+    """``trainer.default_root_dir`` with :data:`PRECISION_FIELD` replaced by the run's precision (in place)."""
+    root = section["trainer"].get("default_root_dir")
+    if root is not None and PRECISION_FIELD in str(root):
+        section["trainer"]["default_root_dir"] = str(root).replace(PRECISION_FIELD, str(section["precision"]))
+
 
 _SET_BY_LP_LIGHTNING = {"strategy": "auto", "plugins": None, "precision": None}
 """Trainer options lp-lightning builds itself (from ``--fsdp_config`` and ``--precision``), with their
@@ -346,6 +362,16 @@ class LPLightningCLI(LightningCLI):
                 "non-finite state."
             ),
         )
+        parser.add_argument(
+            "--overwrite",
+            type=bool,
+            default=False,
+            help=(
+                "fit: start a new run (no --ckpt_path) in a folder that holds another run's checkpoints, "
+                "overwriting those of the same steps and its run_summary.json; without it such a run stops before "
+                "training (exit status 2). validate writes no checkpoints and ignores it."
+            ),
+        )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.every_n_steps": 20, "model.activation_checkpoint": "off"})
@@ -388,6 +414,7 @@ class LPLightningCLI(LightningCLI):
         section = self.config[subcommand] if subcommand else self.config
         target = self._subcommand_parsers[subcommand] if subcommand else parser
         self._resume_fallback = section.get("ckpt_path") == "last"  # before the launch checks resolve it
+        _resolve_root_dir(section)
         try:
             _check_section(section, subcommand=subcommand)
         except (TypeError, ValueError, ImportError) as err:

@@ -3,8 +3,9 @@
 :func:`check_launch` runs once, after parsing and before any Trainer, process or model exists
 (design spec §15 "startup"): the accelerator, ``ckpt_path`` (``last`` resolved to the newest
 complete checkpoint folder), the data sources and tokenizer, the world size against ``torchrun``
-and the batch geometry, and in mxfp8/hif8 the replacement plan and the shard rule on the meta
-model. A failure is a usage error (:mod:`lp_lightning.cli.fit` exits with status 2).
+and the batch geometry, in mxfp8/hif8 the replacement plan and the shard rule on the meta
+model, and that a fresh ``fit`` does not write over another run's checkpoints. A failure is a
+usage error (:mod:`lp_lightning.cli.fit` exits with status 2).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lp_lightning.checkpoint.resume import check_explicit_checkpoint, latest_che
 from lp_lightning.lightning.accelerator import npu_accelerator_error
 from lp_lightning.lightning.datamodule import check_batch_geometry
 
-__all__ = ["NothingToDo", "check_launch", "is_rank_zero", "launch_world_size"]
+__all__ = ["NothingToDo", "check_launch", "check_run_folder", "checkpoint_folder", "is_rank_zero", "launch_world_size"]
 
 
 def is_rank_zero() -> bool:
@@ -91,7 +92,8 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None,
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
     In mxfp8/hif8 it then compiles the replacement plan once on the model's meta twin
-    (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`).
+    (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`). A fresh ``fit`` into a
+    folder holding another run's checkpoints stops unless ``overwrite`` (:func:`check_run_folder`).
 
     Args:
         section: The subcommand's config.
@@ -106,7 +108,7 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None,
         raise ValueError(accelerator_error)
     ckpt_path = section.get("ckpt_path")
     if ckpt_path is not None:
-        checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")
+        checkpoints = checkpoint_folder(section)
         if ckpt_path == "last":
             # As Lightning's "last": a job script can pass it on every (re)start; the first one starts fresh.
             latest = _latest_checkpoint(checkpoints)
@@ -151,12 +153,45 @@ def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None,
         from lp_lightning.cli.launch_low_precision import check_low_precision_launch
 
         check_low_precision_launch(section, plan_rules, world_size)
+    if subcommand == "fit" and ckpt_path is None:
+        check_run_folder(section)
+
+
+def checkpoint_folder(section: Namespace) -> Path:
+    """The run's checkpoint folder: ``checkpoint.dirpath``, else ``<trainer.default_root_dir>/checkpoints``."""
+    root = section["trainer"].get("default_root_dir") or "."
+    return Path(section["checkpoint"].get("dirpath") or Path(root) / "checkpoints")
 
 
 def _nothing_to_validate(checkpoints: Path) -> str:
     return (
         f"ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}, so there is nothing to validate; "
         "train first (lp-lightning fit with the same --config/--precision), or pass --ckpt_path <checkpoint folder>."
+    )
+
+
+def check_run_folder(section: Namespace) -> None:
+    """A fresh ``fit`` (no ``ckpt_path``) stops when its checkpoint folder holds ``step-*`` folders, unless ``overwrite``.
+
+    Otherwise the new run would overwrite the other run's same-step checkpoints and its
+    ``run_summary.json`` (``--overwrite true`` does that knowingly; PeriodicCheckpoint then warns).
+
+    Raises:
+        ValueError: naming the folder, what it holds and both fixes (``--ckpt_path last``, ``--overwrite true``).
+    """
+    if section.get("overwrite"):
+        return
+    folder = checkpoint_folder(section)
+    steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
+    if not steps:
+        return
+    shown = ", ".join(steps[:3]) + (f" ... ({len(steps)} folders)" if len(steps) > 3 else "")
+    root = Path(section["trainer"].get("default_root_dir") or ".")
+    summary = " and run_summary.json" if (root / "run_summary.json").is_file() else ""
+    raise ValueError(
+        f"{str(folder)!r} already holds another run's checkpoints ({shown}){summary}, which a new run would "
+        "overwrite. Resume that run with --ckpt_path last, or pass --overwrite true to train a new run there "
+        "(or pick another --trainer.default_root_dir)."
     )
 
 
