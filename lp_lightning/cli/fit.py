@@ -97,7 +97,7 @@ from typing_extensions import override
 from lp_lightning.cli.launch import check_launch, launch_world_size
 from lp_lightning.config import FSDP2Config
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint
-from lp_lightning.lightning.datamodule import PretrainDataModule
+from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import BackendChoice, PrecisionMode, precision_plugin
@@ -501,25 +501,38 @@ def parse_config(args: Sequence[str] = ()) -> Namespace:
     return _ParseOnlyCLI(args=list(args), run=False).config
 
 
-def plan_settings(path: str) -> dict[str, Any]:
+def plan_settings(path: str, options: Sequence[str] = ()) -> dict[str, Any]:
     """What ``lp-lightning plan --config`` takes from an ``lp-lightning fit`` YAML (docs/planner.md).
 
-    The YAML is parsed and checked as :func:`parse_config` does (a bad file exits with status 2);
-    nothing is built.
+    The YAML and ``options`` (fit options such as ``--trainer.devices 2``) are parsed as
+    :func:`parse_config` does (a bad file exits with status 2); the world size and batch geometry are
+    checked as ``fit`` checks them at launch; nothing is built.
 
     Returns:
-        ``spec``, ``precision``, ``world_size`` (``fsdp_config.dp_shard_size``, else ``trainer.devices x
-        num_nodes``), ``seq_len``, ``micro_batch_size`` (``global_batch_size // (accumulate_grad_batches x
-        world_size)``), ``activation_checkpoint``, ``reshard_after_forward``, ``fallback_to_unsharded``, ``input_dim_sharding``,
-        ``config_overrides``; a value the YAML leaves open (``devices: auto``) is left out.
+        ``spec``, ``precision``, ``world_size`` (``trainer.devices x num_nodes``, else
+        ``fsdp_config.dp_shard_size``), ``seq_len``, ``global_batch_size``, ``accumulate_grad_batches``,
+        ``micro_batch_size`` (``global_batch_size // (accumulate_grad_batches x world_size)``, the
+        micro batch ``fit`` runs), ``activation_checkpoint``, ``reshard_after_forward``,
+        ``fallback_to_unsharded``, ``input_dim_sharding``, ``config_overrides``; a world size the
+        YAML leaves open (``devices: auto``, no ``dp_shard_size``) is left out, and so is the micro batch.
+
+    Raises:
+        ValueError: ``fsdp_config.dp_shard_size`` differs from the world size, or the global batch does
+            not split over accumulation x world size (the messages of ``fit``).
     """
-    config = parse_config(["--config", path])
+    config = parse_config(["--config", path, *options])
     fsdp, trainer, data = config.fsdp_config, config.trainer, config.data
-    world_size = fsdp.dp_shard_size or launch_world_size(trainer)
+    launched = launch_world_size(trainer)
+    if launched is not None:
+        FSDP2Config(**fsdp.as_dict()).resolve_dp_shard_size(launched)  # as the launch check of fit
+    world_size = launched or fsdp.dp_shard_size
+    accumulation = trainer.get("accumulate_grad_batches") or 1
     settings = {
         "spec": config.model.config_name_or_path,
         "precision": config.precision,
         "seq_len": data.seq_len,
+        "global_batch_size": data.global_batch_size,
+        "accumulate_grad_batches": accumulation,
         "activation_checkpoint": config.model.activation_checkpoint,
         "reshard_after_forward": fsdp.reshard_after_forward,
         "fallback_to_unsharded": fsdp.fallback_to_unsharded,
@@ -527,7 +540,7 @@ def plan_settings(path: str) -> dict[str, Any]:
         "config_overrides": config.model.config_overrides,
     }
     if world_size is not None:
-        accumulation = trainer.get("accumulate_grad_batches") or 1
+        check_batch_geometry(data.global_batch_size, accumulation, world_size)
         settings["world_size"] = world_size
         settings["micro_batch_size"] = data.global_batch_size // (accumulation * world_size)
     return settings
