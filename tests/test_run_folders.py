@@ -121,6 +121,11 @@ def test_a_new_run_into_another_runs_checkpoints_stops_before_training(tmp_path,
     for subcommand, options in (("fit", ["--overwrite", "true"]), ("validate", [])):
         section = parse_config(["--trainer.default_root_dir", str(root), *options])
         check_launch(section, subcommand=subcommand)
+    # validate --ckpt_path last on the finished run (step 2 = max_steps): that checkpoint, not "nothing to do".
+    section = parse_config(["--trainer.default_root_dir", str(root), "--trainer.max_steps", "2"])
+    section["ckpt_path"] = "last"
+    check_launch(section, subcommand="validate")
+    assert section["ckpt_path"] == str(root / "checkpoints" / "step-000002")
     assert no_model_build == []
 
 
