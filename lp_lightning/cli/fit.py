@@ -47,6 +47,9 @@ Options added on top of LightningCLI's ``--trainer.* / --model.* / --data.*``:
   gradient norm, and at once when a master weight holds NaN/Inf; it prints one line (step, skip
   count, reason, first offending FQN, last good checkpoint) and exits with status 1, and nothing
   is saved from the non-finite state (docs/architecture.md "The non-finite guard").
+* ``--overwrite`` (default false): a fresh ``fit`` (no ``ckpt_path``) whose checkpoint folder holds
+  ``step-*`` folders stops before training (exit status 2) unless it is true; the default
+  ``trainer.default_root_dir`` ``runs/dsv3_tiny/{precision}`` gives each precision its own folder.
 
 The Trainer's ``strategy`` and ``plugins`` are built from ``--fsdp_config`` and ``--precision``
 as instances (``FSDP2Strategy``, ``precision_plugin(...)``); setting ``--trainer.strategy``,
@@ -61,11 +64,13 @@ for ranks 1..N-1). Under ``torchrun`` Lightning uses the launcher's processes in
     torchrun --nproc_per_node 2 -m lp_lightning.cli fit --trainer.devices 2
     python -m lp_lightning.cli fit --config configs/dsv3_tiny.yaml
 
-Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/checkpoints/step-000020`` (a DCP folder), or
+Resume: ``lp-lightning fit --ckpt_path runs/dsv3_tiny/bf16/checkpoints/step-000020`` (a DCP folder), or
 ``--ckpt_path last`` for the newest complete one under the checkpoint folder (none yet: the run
-starts from step 0, so a job script may pass ``last`` on every start). At launch, ``last`` skips
-folders that fail the quick check (sizes, ``.metadata``/``meta.pt`` digests, saved non-finite),
-naming each; at load, every file's SHA-256 is checked and a damaged folder is skipped, naming it,
+starts from step 0, so a job script may pass ``last`` on every start; at ``trainer.max_steps``:
+nothing to do, exit status 0). ``lp-lightning validate --ckpt_path last`` validates the newest
+complete checkpoint whatever its step (none: exit status 2), restoring the weights only. At
+launch, ``last`` skips folders that fail the quick check (sizes, ``.metadata``/``meta.pt``
+digests, saved non-finite), naming each; at load, every file's SHA-256 is checked and a damaged folder is skipped, naming it,
 for the newest intact older one (``FSDP2Strategy(resume_fallback=True)``). An explicit path to a
 damaged folder fails, naming the file and the last good checkpoint: at launch (exit status 2) or,
 for bytes changed in place, when it is loaded before training (exit status 1). The path, the batch
@@ -98,7 +103,7 @@ from typing_extensions import override
 from lp_lightning.cli.launch import check_launch, launch_world_size
 from lp_lightning.config import FSDP2Config
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, Preemption
-from lp_lightning.lightning.datamodule import PretrainDataModule
+from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.lightning.precision import BackendChoice, PrecisionMode, precision_plugin
@@ -108,13 +113,13 @@ from lp_lightning.observers import stage
 from lp_lightning.policy import LowPrecisionConfig, refused_scaling_message
 from lp_lightning.telemetry.summary import RunSummaryCallback
 
-__all__ = ["TRAINER_DEFAULTS", "LPLightningCLI", "parse_config", "plan_settings"]
+__all__ = ["PRECISION_FIELD", "TRAINER_DEFAULTS", "LPLightningCLI", "parse_config", "plan_settings"]
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "accelerator": "cpu",
     "devices": 1,
     "max_steps": 40,
-    "default_root_dir": "runs/dsv3_tiny",
+    "default_root_dir": "runs/dsv3_tiny/{precision}",
     "val_check_interval": 20,
     "check_val_every_n_epoch": None,
     "num_sanity_val_steps": 0,
@@ -125,10 +130,23 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 """Trainer defaults of ``lp-lightning fit`` (= the ``trainer:`` block of ``configs/dsv3_tiny.yaml``).
 
+``default_root_dir``'s ``{precision}`` becomes the run's ``--precision`` while parsing (:data:`PRECISION_FIELD`).
 ``use_distributed_sampler`` must stay false: the datamodule already gives each rank its rows.
 ``val_check_interval`` counts training micro-batches (Lightning's unit); with
 ``accumulate_grad_batches: 1`` that is optimizer steps.
 """
+
+PRECISION_FIELD = "{precision}"
+"""Replaced by ``--precision`` in ``trainer.default_root_dir`` while parsing, so runs of each precision keep
+their own folder (``runs/dsv3_tiny/bf16``, ``runs/dsv3_tiny/mxfp8``)."""
+
+
+def _resolve_root_dir(section: Namespace) -> None:
+    """``trainer.default_root_dir`` with :data:`PRECISION_FIELD` replaced by the run's precision (in place)."""
+    root = section["trainer"].get("default_root_dir")
+    if root is not None and PRECISION_FIELD in str(root):
+        section["trainer"]["default_root_dir"] = str(root).replace(PRECISION_FIELD, str(section["precision"]))
+
 
 _SET_BY_LP_LIGHTNING = {"strategy": "auto", "plugins": None, "precision": None}
 """Trainer options lp-lightning builds itself (from ``--fsdp_config`` and ``--precision``), with their
@@ -266,8 +284,9 @@ def _plan_rules(specs: list[dict[str, Any]] | None) -> tuple[Any, ...] | None:
     return rules_from_config([dict(spec) for spec in specs])
 
 
-def _check_section(section: Namespace, *, launch: bool, saves_checkpoints: bool = False) -> None:
-    """Everything :meth:`LPLightningCLI.parse_arguments` checks, in order (design spec §15).
+def _check_section(section: Namespace, *, subcommand: str | None) -> None:
+    """Everything :meth:`LPLightningCLI.parse_arguments` checks, in order (design spec §15); the launch
+    checks only with a subcommand (``fit``/``validate``).
 
     Raises:
         TypeError, ValueError, ImportError: the first failing check, naming the key and the fix.
@@ -278,9 +297,9 @@ def _check_section(section: Namespace, *, launch: bool, saves_checkpoints: bool 
     if refused is not None:
         raise ValueError(refused)
     rules = _plan_rules(section.get("plan_overrides"))
-    if launch:
+    if subcommand is not None:
         with stage("launch_check"):
-            check_launch(section, plan_rules=rules, saves_checkpoints=saves_checkpoints)
+            check_launch(section, plan_rules=rules, subcommand=subcommand)
 
 
 class LPLightningCLI(LightningCLI):
@@ -373,6 +392,16 @@ class LPLightningCLI(LightningCLI):
                 "non-finite state."
             ),
         )
+        parser.add_argument(
+            "--overwrite",
+            type=bool,
+            default=False,
+            help=(
+                "fit: start a new run (no --ckpt_path) in a folder that holds another run's checkpoints, "
+                "overwriting those of the same steps and its run_summary.json; without it such a run stops before "
+                "training (exit status 2). validate writes no checkpoints and ignores it."
+            ),
+        )
         parser.add_class_arguments(FSDP2Config, "fsdp_config", fail_untyped=True)
         parser.add_lightning_class_args(PeriodicCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.every_n_steps": 20, "model.activation_checkpoint": "off"})
@@ -416,8 +445,9 @@ class LPLightningCLI(LightningCLI):
         section = self.config[subcommand] if subcommand else self.config
         target = self._subcommand_parsers[subcommand] if subcommand else parser
         self._resume_fallback = section.get("ckpt_path") == "last"  # before the launch checks resolve it
+        _resolve_root_dir(section)
         try:
-            _check_section(section, launch=subcommand is not None, saves_checkpoints=subcommand == "fit")
+            _check_section(section, subcommand=subcommand)
         except (TypeError, ValueError, ImportError) as err:
             target.error(str(err))
 
@@ -502,25 +532,38 @@ def parse_config(args: Sequence[str] = ()) -> Namespace:
     return _ParseOnlyCLI(args=list(args), run=False).config
 
 
-def plan_settings(path: str) -> dict[str, Any]:
+def plan_settings(path: str, options: Sequence[str] = ()) -> dict[str, Any]:
     """What ``lp-lightning plan --config`` takes from an ``lp-lightning fit`` YAML (docs/planner.md).
 
-    The YAML is parsed and checked as :func:`parse_config` does (a bad file exits with status 2);
-    nothing is built.
+    The YAML and ``options`` (fit options such as ``--trainer.devices 2``) are parsed as
+    :func:`parse_config` does (a bad file exits with status 2); the world size and batch geometry are
+    checked as ``fit`` checks them at launch; nothing is built.
 
     Returns:
-        ``spec``, ``precision``, ``world_size`` (``fsdp_config.dp_shard_size``, else ``trainer.devices x
-        num_nodes``), ``seq_len``, ``micro_batch_size`` (``global_batch_size // (accumulate_grad_batches x
-        world_size)``), ``activation_checkpoint``, ``reshard_after_forward``, ``fallback_to_unsharded``, ``input_dim_sharding``,
-        ``config_overrides``; a value the YAML leaves open (``devices: auto``) is left out.
+        ``spec``, ``precision``, ``world_size`` (``trainer.devices x num_nodes``, else
+        ``fsdp_config.dp_shard_size``), ``seq_len``, ``global_batch_size``, ``accumulate_grad_batches``,
+        ``micro_batch_size`` (``global_batch_size // (accumulate_grad_batches x world_size)``, the
+        micro batch ``fit`` runs), ``activation_checkpoint``, ``reshard_after_forward``,
+        ``fallback_to_unsharded``, ``input_dim_sharding``, ``config_overrides``; a world size the
+        YAML leaves open (``devices: auto``, no ``dp_shard_size``) is left out, and so is the micro batch.
+
+    Raises:
+        ValueError: ``fsdp_config.dp_shard_size`` differs from the world size, or the global batch does
+            not split over accumulation x world size (the messages of ``fit``).
     """
-    config = parse_config(["--config", path])
+    config = parse_config(["--config", path, *options])
     fsdp, trainer, data = config.fsdp_config, config.trainer, config.data
-    world_size = fsdp.dp_shard_size or launch_world_size(trainer)
+    launched = launch_world_size(trainer)
+    if launched is not None:
+        FSDP2Config(**fsdp.as_dict()).resolve_dp_shard_size(launched)  # as the launch check of fit
+    world_size = launched or fsdp.dp_shard_size
+    accumulation = trainer.get("accumulate_grad_batches") or 1
     settings = {
         "spec": config.model.config_name_or_path,
         "precision": config.precision,
         "seq_len": data.seq_len,
+        "global_batch_size": data.global_batch_size,
+        "accumulate_grad_batches": accumulation,
         "activation_checkpoint": config.model.activation_checkpoint,
         "reshard_after_forward": fsdp.reshard_after_forward,
         "fallback_to_unsharded": fsdp.fallback_to_unsharded,
@@ -528,7 +571,7 @@ def plan_settings(path: str) -> dict[str, Any]:
         "config_overrides": config.model.config_overrides,
     }
     if world_size is not None:
-        accumulation = trainer.get("accumulate_grad_batches") or 1
+        check_batch_geometry(data.global_batch_size, accumulation, world_size)
         settings["world_size"] = world_size
         settings["micro_batch_size"] = data.global_batch_size // (accumulation * world_size)
     return settings

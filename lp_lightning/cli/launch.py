@@ -4,9 +4,10 @@
 (design spec §15 "startup"): the accelerator, the output folders (writable), ``ckpt_path``
 (``last`` resolved to the newest complete checkpoint folder), the data (sources and tokenizer, text
 unless ``data.allow_binary``, enough tokens for one train sequence and one validation batch), the
-world size against ``torchrun`` and the batch geometry, room for one checkpoint (a warning), and in
-mxfp8/hif8 the replacement plan and the shard rule on the meta model. A failure is a usage error
-(:mod:`lp_lightning.cli.fit` exits with status 2). Nothing is created on disk before the checks pass.
+world size against ``torchrun`` and the batch geometry, that a fresh ``fit`` does not write over
+another run's checkpoints, room for one checkpoint (a warning), and in mxfp8/hif8 the replacement
+plan and the shard rule on the meta model. A failure is a usage error (:mod:`lp_lightning.cli.fit`
+exits with status 2). Nothing is created on disk before the checks pass.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from lp_lightning.lightning.datamodule import check_batch_geometry
 from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.observers import stage
 
-__all__ = ["NothingToDo", "check_launch", "is_rank_zero", "launch_world_size"]
+__all__ = ["NothingToDo", "check_launch", "check_run_folder", "checkpoint_folder", "is_rank_zero", "launch_world_size"]
 
 
 def is_rank_zero() -> bool:
@@ -87,13 +88,12 @@ def _latest_checkpoint(folder: Path) -> Path | None:
     return latest_checkpoint(folder, on_skip=note)
 
 
-def check_launch(
-    section: Namespace, *, plan_rules: Sequence[Any] | None = None, saves_checkpoints: bool = True
-) -> None:
+def check_launch(section: Namespace, *, plan_rules: Sequence[Any] | None = None, subcommand: str = "fit") -> None:
     """Checks what would otherwise fail only inside every launched process.
 
     Checks that the output folders can be written (:func:`_check_output_folders`; nothing is
-    created), resolves ``ckpt_path: last`` to the newest complete checkpoint folder, checks that
+    created), resolves ``ckpt_path: last`` to the newest complete checkpoint folder (``validate``:
+    whatever its step; ``fit``: "nothing to do" at ``trainer.max_steps``), checks that
     ``ckpt_path`` is a checkpoint folder (suggesting the newest one when given their parent) that
     passes the quick check (:func:`~lp_lightning.checkpoint.resume.check_explicit_checkpoint`), that
     ``data.sources`` resolve, are text and hold enough tokens, and ``data.tokenizer`` loads
@@ -101,14 +101,15 @@ def check_launch(
     ``data.global_batch_size`` splits over accumulation x world size, and that a ``torchrun``
     launch matches ``trainer.devices`` x ``trainer.num_nodes``, and that ``trainer.accelerator: npu``
     has an importable torch_npu that sees an NPU (else Lightning lists the known names, without the fix).
-    With ``saves_checkpoints`` it warns when the checkpoint folder's disk has no room for one checkpoint
-    (:func:`_warn_checkpoint_room`). In mxfp8/hif8 it then compiles the replacement plan once on the model's
-    meta twin (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`).
+    A fresh ``fit`` into a folder holding another run's checkpoints stops unless ``overwrite``
+    (:func:`check_run_folder`). A ``fit`` warns when the checkpoint folder's disk has no room for one
+    checkpoint (:func:`_warn_checkpoint_room`). In mxfp8/hif8 it then compiles the replacement plan once
+    on the model's meta twin (:func:`~lp_lightning.cli.launch_low_precision.check_low_precision_launch`).
 
     Args:
         section: The subcommand's config.
         plan_rules: The run's ``plan_overrides`` rules (``None``: the model adapter's default).
-        saves_checkpoints: Whether the subcommand writes checkpoints (``fit``; ``validate`` does not).
+        subcommand: ``fit`` (writes checkpoints) or ``validate``.
 
     Raises:
         ValueError, TypeError, ImportError: naming the key, the values and the fix.
@@ -119,10 +120,12 @@ def check_launch(
     _check_output_folders(section)
     ckpt_path = section.get("ckpt_path")
     if ckpt_path is not None:
-        checkpoints = Path(section["checkpoint"].get("dirpath") or Path(trainer.get("default_root_dir") or ".") / "checkpoints")
+        checkpoints = checkpoint_folder(section)
         if ckpt_path == "last":
             # As Lightning's "last": a job script can pass it on every (re)start; the first one starts fresh.
             latest = _latest_checkpoint(checkpoints)
+            if latest is None and subcommand == "validate":
+                raise ValueError(_nothing_to_validate(checkpoints))
             if latest is None:
                 print(
                     f"lp-lightning: ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}; "
@@ -131,7 +134,7 @@ def check_launch(
                 )
             else:
                 step, max_steps = _checkpoint_step(latest), trainer.get("max_steps")
-                if step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
+                if subcommand == "fit" and step is not None and isinstance(max_steps, int) and 0 < max_steps <= step:
                     raise NothingToDo(
                         f"ckpt_path=last: the newest checkpoint {str(latest)!r} is at step {step} and "
                         f"trainer.max_steps={max_steps}: the run is complete, nothing to do. Raise "
@@ -157,6 +160,9 @@ def check_launch(
     global_batch_size = section["data"].get("global_batch_size")
     if world_size is not None and isinstance(accumulation, int) and isinstance(global_batch_size, int):
         check_batch_geometry(global_batch_size, accumulation, world_size)  # what setup checks on each rank
+    if subcommand == "fit" and ckpt_path is None:
+        check_run_folder(section)
+    saves_checkpoints = subcommand == "fit"
     low_precision = section["precision"] != "bf16"
     meta = _meta_model(section["model"]) if saves_checkpoints or low_precision else None
     if saves_checkpoints:
@@ -166,6 +172,44 @@ def check_launch(
         from lp_lightning.cli.launch_low_precision import check_low_precision_launch
 
         check_low_precision_launch(section, plan_rules, world_size, meta)
+
+
+def checkpoint_folder(section: Namespace) -> Path:
+    """The run's checkpoint folder: ``checkpoint.dirpath``, else ``<trainer.default_root_dir>/checkpoints``."""
+    root = section["trainer"].get("default_root_dir") or "."
+    return Path(section["checkpoint"].get("dirpath") or Path(root) / "checkpoints")
+
+
+def _nothing_to_validate(checkpoints: Path) -> str:
+    return (
+        f"ckpt_path=last: no complete checkpoint under {str(checkpoints)!r}, so there is nothing to validate; "
+        "train first (lp-lightning fit with the same --config/--precision), or pass --ckpt_path <checkpoint folder>."
+    )
+
+
+def check_run_folder(section: Namespace) -> None:
+    """A fresh ``fit`` (no ``ckpt_path``) stops when its checkpoint folder holds ``step-*`` folders, unless ``overwrite``.
+
+    Otherwise the new run would overwrite the other run's same-step checkpoints and its
+    ``run_summary.json`` (``--overwrite true`` does that knowingly; PeriodicCheckpoint then warns).
+
+    Raises:
+        ValueError: naming the folder, what it holds and both fixes (``--ckpt_path last``, ``--overwrite true``).
+    """
+    if section.get("overwrite"):
+        return
+    folder = checkpoint_folder(section)
+    steps = sorted(p.name for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []
+    if not steps:
+        return
+    shown = ", ".join(steps[:3]) + (f" ... ({len(steps)} folders)" if len(steps) > 3 else "")
+    root = Path(section["trainer"].get("default_root_dir") or ".")
+    summary = " and run_summary.json" if (root / "run_summary.json").is_file() else ""
+    raise ValueError(
+        f"{str(folder)!r} already holds another run's checkpoints ({shown}){summary}, which a new run would "
+        "overwrite. Resume that run with --ckpt_path last, or pass --overwrite true to train a new run there "
+        "(or pick another --trainer.default_root_dir)."
+    )
 
 
 def _meta_model(model: Namespace) -> nn.Module:

@@ -87,7 +87,7 @@ from lp_lightning.fsdp.parallelize import (
 )
 from lp_lightning.fsdp.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
-from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
+from lp_lightning.lightning.precision import TRAINER_PLUGIN_STATE_KEYS, FSDP2PrecisionPlugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.observers import notify_collective, stage
 
@@ -485,7 +485,8 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         Then the low-precision weights are rebuilt once from the restored FP32 masters (design spec §11;
         the checkpoint holds no derived data, so it may come from another precision). A damaged
         checkpoint (:class:`~lp_lightning.checkpoint.dcp.DamagedCheckpointError`) is replaced
-        by the newest intact older one with ``resume_fallback``, else fails naming that one.
+        by the newest intact older one with ``resume_fallback``, else fails naming that one. Outside
+        ``fit`` (``validate``: no optimizer exists) only the weights are restored, not the plugin state.
 
         Raises:
             DamagedCheckpointError: The checkpoint (and, with ``resume_fallback``, every older one)
@@ -504,6 +505,11 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             weights_only=weights_only,
         ))
         self.low_precision_plugin.rebuild_after_load(self._causal_lm())
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            # validate: the weights only; the plugin's step counters (and its note on resuming the
+            # AdamW state in another precision) are training state, which Lightning restores regardless.
+            for key in TRAINER_PLUGIN_STATE_KEYS:
+                metadata.pop(key, None)
         return metadata
 
 

@@ -5,14 +5,18 @@ Examples::
     lp-lightning plan --spec dsv3-16b --precision mxfp8 --world-size 8
     lp-lightning plan --config configs/dsv3_16b_hif8.yaml --activation-checkpoint full --json
     lp-lightning plan --spec dsv3-tiny --precision mxfp8 --world-size 4 --seq-len 256 --micro-batch-size 2
+    lp-lightning plan --config configs/dsv3_tiny.yaml --precision mxfp8 --trainer.devices 2
 
 Without ``--config`` the defaults are the design spec's 16B node (``configs/dsv3_16b_bf16.yaml``):
 ``dsv3-16b``, bf16, 8 ranks, 4096 tokens × 1 sequence per rank, no recompute,
 ``reshard_after_forward``, no fallback, 96 GiB. ``--config`` takes the spec, precision, world size
-(``fsdp_config.dp_shard_size`` or ``trainer.devices × num_nodes``), ``data.seq_len``, the micro batch
-(``data.global_batch_size // (accumulate_grad_batches × world size)``), ``model.activation_checkpoint``,
-``model.config_overrides`` and the ``fsdp_config`` flags from an ``lp-lightning fit`` YAML (parsed and
-checked as ``fit`` parses it); options given on the command line win.
+(``trainer.devices × num_nodes`` or ``fsdp_config.dp_shard_size``), ``data.seq_len``, the global batch,
+``model.activation_checkpoint``, ``model.config_overrides`` and the ``fsdp_config`` flags from an
+``lp-lightning fit`` YAML (parsed and checked as ``fit`` parses it, with ``--trainer.devices`` /
+``--trainer.num_nodes`` passed on to it); options given on the command line win. With a YAML the micro
+batch is the one ``fit`` would run at the planned world size, ``data.global_batch_size //
+(accumulate_grad_batches × world size)``, unless ``--micro-batch-size`` is given. Without one,
+``--trainer.devices N`` (× ``--trainer.num_nodes``) is another way to say ``--world-size``.
 
 Exit status: 0 when the run fits the budget and can start, 1 when it does not fit or cannot start
 (``fallback_to_unsharded: false`` with a weight no dim can shard), 2 on a bad option.
@@ -24,8 +28,8 @@ import argparse
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 from jsonargparse import ActionYesNo, ArgumentParser
 
@@ -88,6 +92,9 @@ def build_parser() -> ArgumentParser:
                         help="Replicate the weights no dim can shard instead of failing at startup (default false).")
     parser.add_argument("--input_dim_sharding", "--input-dim-sharding", action=ActionYesNo, default=None,
                         help="Shard dim-0 rule breakers along their input dim (default true; --no_input_dim_sharding).")
+    parser.add_argument("--trainer.devices", type=Optional[Union[int, str]], default=None,
+                        help="As for lp-lightning fit: processes per node (the world size is devices x num_nodes).")
+    parser.add_argument("--trainer.num_nodes", type=Optional[int], default=None, help="As for lp-lightning fit.")
     option("budget_gib", type=Optional[float], default=None, help="Device memory budget in GiB (default 96).")
     option("config_overrides", type=Optional[dict], default=None,
            help='JSON object of DeepseekV3Config fields applied on top of the spec, e.g. \'{"num_hidden_layers": 4}\'.')
@@ -95,13 +102,19 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def plan_main(argv: list[str] | None = None, *, read_fit_config: Callable[[str], dict[str, Any]] | None = None) -> int:
+FitConfigReader = Callable[[str, Sequence[str]], dict[str, Any]]
+"""``read(path, fit_options)``: the plan settings of an ``lp-lightning fit`` YAML (``cli.fit.plan_settings``)."""
+
+
+def plan_main(argv: list[str] | None = None, *, read_fit_config: FitConfigReader | None = None) -> int:
     """Run ``lp-lightning plan`` with ``argv`` (the arguments after ``plan``).
 
     Args:
         argv: Arguments; ``None`` reads ``sys.argv[1:]``.
-        read_fit_config: Turns an ``lp-lightning fit`` YAML path into plan settings (the entry point
-            passes one built on its own parser); ``None``: ``--config`` is refused.
+        read_fit_config: Turns an ``lp-lightning fit`` YAML path and fit options (``--trainer.devices``,
+            ``--trainer.num_nodes``) into plan settings, which include ``global_batch_size`` and
+            ``accumulate_grad_batches`` (the entry point passes one built on its own parser); ``None``:
+            ``--config`` is refused.
 
     Returns:
         Exit status (module docstring). Errors go to stderr.
@@ -111,16 +124,40 @@ def plan_main(argv: list[str] | None = None, *, read_fit_config: Callable[[str],
     except argparse.ArgumentError as err:
         return _usage_error(str(err))
     settings = dict(DEFAULTS)
+    devices, num_nodes = args.trainer.devices, args.trainer.num_nodes
+    fit_options = [f"--trainer.{key}={value}" for key, value in (("devices", devices), ("num_nodes", num_nodes))
+                   if value is not None]
+    batch: tuple[int, int] | None = None  # (global batch, accumulation) of the fit YAML
     if args.config is not None:
         if read_fit_config is None:
             return _usage_error("--config needs the lp-lightning entry point (run `lp-lightning plan --config ...`).")
         try:
-            settings.update(read_fit_config(args.config))
+            fit = dict(read_fit_config(args.config, fit_options))
         except (OSError, TypeError, ValueError) as err:
             return _usage_error(f"--config {args.config!r}: {err}")
         except SystemExit as stop:  # the fit parser printed why
             return stop.code if isinstance(stop.code, int) and stop.code else 2
-    settings.update({key: getattr(args, key) for key in DEFAULTS if getattr(args, key) is not None})
+        batch = (fit.pop("global_batch_size"), fit.pop("accumulate_grad_batches"))
+        settings.update(fit)
+    elif fit_options:
+        if not isinstance(devices, int) or devices < 1:
+            return _usage_error(f"--trainer.devices {devices!r}: without --config, give a number of processes >= 1.")
+        settings["world_size"] = devices * (num_nodes or 1)
+    explicit = {key: getattr(args, key) for key in DEFAULTS if getattr(args, key) is not None}
+    if fit_options and args.world_size is not None and args.world_size != settings.get("world_size"):
+        return _usage_error(f"--world-size {args.world_size} disagrees with --trainer.devices {devices} x "
+                            f"--trainer.num_nodes {num_nodes or 1}; give one of them.")
+    settings.update(explicit)
+    if batch is not None and "micro_batch_size" not in explicit:
+        global_batch, accumulation = batch
+        divisor = accumulation * settings["world_size"]
+        if global_batch % divisor:
+            return _usage_error(
+                f"data.global_batch_size={global_batch} of {args.config!r} does not split over "
+                f"trainer.accumulate_grad_batches ({accumulation}) x world size ({settings['world_size']}) = {divisor}, "
+                "so fit would refuse it; plan another world size, or give --micro-batch-size."
+            )
+        settings["micro_batch_size"] = global_batch // divisor
     budget = DEFAULT_BUDGET_BYTES if args.budget_gib is None else round(args.budget_gib * GIB)
     try:
         plan = plan_memory(

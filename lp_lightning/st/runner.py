@@ -240,6 +240,8 @@ def execute_run(
     command += ["--config", str(run_yaml)]
     if resume_checkpoint is not None:
         command += ["--ckpt_path", str(resume_checkpoint)]
+    else:  # a rerun of `lp-lightning st` replaces its own earlier run in this folder
+        command += ["--overwrite", "true"]
     (folder / "command.txt").write_text(" ".join(command) + "\n")
     start = time.perf_counter()
     with open(folder / "console.log", "w") as console:

@@ -242,7 +242,7 @@ def test_sigterm_saves_the_last_step_exits_143_and_resumes(tmp_path, token_cache
     assert summary["first_step"] == last and summary["global_step"] == last + 1
 
 
-def test_fresh_run_into_a_folder_with_old_checkpoints_warns_and_max_steps_below_the_checkpoint_fails(
+def test_fresh_run_into_a_folder_with_old_checkpoints_stops_or_warns_and_max_steps_below_the_checkpoint_fails(
     tmp_path, token_cache_dir
 ):
     root = tmp_path / "reuse"
@@ -252,7 +252,10 @@ def test_fresh_run_into_a_folder_with_old_checkpoints_warns_and_max_steps_below_
     )  # fmt: skip
     first = subprocess.run([*args, "--trainer.max_steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run([*args, "--trainer.max_steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    refused = subprocess.run([*args, "--trainer.max_steps", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "already holds another run's checkpoints" in refused.stderr  # before training
+    again = subprocess.run([*args, "--trainer.max_steps", "1", "--overwrite", "true"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already holds checkpoints of an earlier run (step-000001, step-000002)" in again.stderr
     behind = subprocess.run([*args, "--trainer.max_steps", "1", "--ckpt_path", str(root / "checkpoints" / "step-000002")],

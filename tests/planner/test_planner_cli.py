@@ -78,12 +78,48 @@ def test_config_supplies_the_run(capsys):
     settings = plan_settings("configs/dsv3_16b_hif8.yaml")
     assert settings == {
         "spec": "dsv3-16b", "precision": "hif8", "world_size": 8, "seq_len": 4096, "micro_batch_size": 1,
+        "global_batch_size": 8, "accumulate_grad_batches": 1,
         "activation_checkpoint": "off", "reshard_after_forward": True, "fallback_to_unsharded": False,
         "input_dim_sharding": True, "config_overrides": None,
     }
-    _, plan = _json(capsys, ["plan", "--config", "configs/dsv3_16b_hif8.yaml", "--world-size", "16", "--json"])
-    assert plan["run"] | {"world_size": 8} == {**settings, "format": "hif8", "config_overrides": {}}
+    _, plan = _json(capsys, ["plan", "--config", "configs/dsv3_16b_hif8.yaml", "--world-size", "16",
+                             "--micro-batch-size", "1", "--json"])
+    run = {k: v for k, v in settings.items() if k not in ("global_batch_size", "accumulate_grad_batches")}
+    assert plan["run"] | {"world_size": 8} == {**run, "format": "hif8", "config_overrides": {}}
     assert plan["run"]["world_size"] == 16  # an explicit option wins over the YAML
+
+
+def test_config_micro_batch_follows_the_world_size(capsys):
+    """fit splits data.global_batch_size (4) over accumulation x world size: plan must plan the same micro batch."""
+    tiny = ["plan", "--config", "configs/dsv3_tiny.yaml", "--json"]
+    runs = {
+        "yaml": _json(capsys, tiny),
+        "world_size": _json(capsys, [*tiny, "--world-size", "2"]),
+        "devices": _json(capsys, [*tiny, "--trainer.devices", "2"]),
+        "nodes": _json(capsys, [*tiny, "--trainer.devices", "1", "--trainer.num_nodes", "2"]),
+        "explicit": _json(capsys, [*tiny, "--world-size", "2", "--micro-batch-size", "3"]),
+    }
+    assert {name: (status, plan["run"]["world_size"], plan["run"]["micro_batch_size"])
+            for name, (status, plan) in runs.items()} == {
+        "yaml": (0, 1, 4), "world_size": (0, 2, 2), "devices": (0, 2, 2), "nodes": (0, 2, 2), "explicit": (0, 2, 3)}
+    assert runs["devices"][1] == runs["world_size"][1]
+    assert plan_settings("configs/dsv3_tiny.yaml", ["--trainer.devices", "2"])["micro_batch_size"] == 2
+    _, by_devices = _json(capsys, ["plan", "--spec", "dsv3-tiny", "--trainer.devices", "2", "--json"])
+    assert by_devices["run"]["world_size"] == 2  # without --config: --trainer.devices is the world size
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world-size", "3"], "data.global_batch_size=4 of 'configs/dsv3_tiny.yaml' does not split over "
+                                "trainer.accumulate_grad_batches (1) x world size (3) = 3"),
+        (["--trainer.devices", "3"], "data.global_batch_size=4 must be divisible by trainer.accumulate_grad_batches"),
+        (["--trainer.devices", "2", "--world-size", "4"], "--world-size 4 disagrees with --trainer.devices 2"),
+    ],
+)
+def test_config_world_size_that_fit_refuses_exits_2(capsys, argv, message):
+    assert main(["plan", "--config", "configs/dsv3_tiny.yaml", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_config_with_input_dim_sharding_off_cannot_start(capsys, tmp_path):
