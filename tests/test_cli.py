@@ -647,3 +647,10 @@ def test_a_full_disk_at_save_time_stops_fit_with_one_line(tmp_path, token_cache_
     section["ckpt_path"] = "last"
     check_launch(section)
     assert section["ckpt_path"] == str(checkpoints / "step-000001")
+
+
+def test_a_usage_error_under_torchrun_is_said_by_rank_zero_only(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "dsv3_tiny.yaml"), "--trainer.max_step", "5"])
+    assert exit_info.value.code == 2 and "error" not in capsys.readouterr().err

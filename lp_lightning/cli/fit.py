@@ -100,7 +100,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import Trainer
 from typing_extensions import override
 
-from lp_lightning.cli.launch import check_launch, launch_world_size
+from lp_lightning.cli.launch import check_launch, is_rank_zero, launch_world_size
 from lp_lightning.config import FSDP2Config
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, Preemption
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
@@ -198,7 +198,8 @@ class _LPArgumentParser(LightningArgumentParser):
     """The CLI's parser: a usage error is one line and a pointer to ``--help``; options are never abbreviated.
 
     jsonargparse prints the whole usage (~90 lines) before the error; this parser prints
-    ``<prog>: error: <message>`` and ``<prog> --help lists every option.`` and exits with status 2.
+    ``<prog>: error: <message>`` and ``<prog> --help lists every option.`` (rank 0 only: under torchrun
+    every process parses the same arguments) and exits with status 2.
     ``allow_abbrev=False``: ``--trainer.max_step 5`` is an unknown option, not ``max_steps``.
     ``scaling: delayed`` is not one of the field's choices, so jsonargparse rejects it with a
     generic dump of the ``Optional[LowPrecisionConfig]`` union; that dump becomes
@@ -217,7 +218,8 @@ class _LPArgumentParser(LightningArgumentParser):
             super().error(message, ex)  # raises ArgumentError (parse_config, the tests, st's checks)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        sys.stderr.write(f"{prog}: error: {_condensed(message)}\n{prog} --help lists every option.\n")
+        if is_rank_zero():  # under torchrun every process parses the same arguments: one of them says why
+            sys.stderr.write(f"{prog}: error: {_condensed(message)}\n{prog} --help lists every option.\n")
         self.exit(2)
 
 
