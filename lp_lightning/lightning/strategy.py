@@ -91,7 +91,7 @@ from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.observers import notify_collective, stage
 
-__all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
+__all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy", "model_summary_line"]
 
 OPTIMIZER_CHECKPOINT_KEY = "optimizer"
 """DCP key prefix of the Trainer's optimizer view (``optimizer.state.<hf fqn>.exp_avg``)."""
@@ -124,6 +124,31 @@ def _check_materialized(module: nn.Module) -> None:
             f"{len(meta)} parameter(s) are still on the meta device (first: {meta[0]!r}); build the "
             f"model materialised (from_hf_config(..., device='cpu')) in configure_model."
         )
+
+
+def _human_count(count: int) -> str:
+    """``3.0 M``, ``15.7 B``: a parameter count as Lightning's model summary writes it."""
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return str(count)
+
+
+def model_summary_line(causal_lm: nn.Module, plugin: FSDP2PrecisionPlugin, *, ranks: int) -> str:
+    """The one-line model summary the strategies print after sharding (``lp-lightning fit`` turns
+    Lightning's model-summary table off: it cannot size FP32 masters under this plugin and counts no FLOPs).
+
+    E.g. ``lp-lightning: model 3.0 M parameters, FP32 masters, FSDP2 over 1 rank; mxfp8 GEMMs on 25
+    low-precision weights in 23 modules (2.8 M parameters, 91%).``
+    """
+    total = sum(p.numel() for p in causal_lm.parameters())
+    over = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    head = f"lp-lightning: model {_human_count(total)} parameters, FP32 masters, FSDP2 over {over}"
+    elements = plugin.low_precision_elements
+    if not plugin.low_precision_weights:
+        return f"{head}; {plugin.mode} GEMMs, no low-precision weight."
+    share = f"{_human_count(elements)} parameters, {elements / max(total, 1):.0%}"
+    return f"{head}; {plugin.mode} GEMMs on {plugin.weights_summary} ({share})."
 
 
 class _FSDP2Common:
@@ -178,10 +203,12 @@ class _FSDP2Common:
         return self._device_mesh
 
     def _record_parallelization(self, record: ParallelizationRecord, causal_lm: nn.Module) -> None:
-        """Keeps what setup did; names the sharded parameters for the non-finite guard; says (rank 0)
-        which low-precision weights stay replicated."""
-        self.low_precision_plugin.guard.name_parameters(causal_lm)  # type: ignore[attr-defined]
+        """Keeps what setup did; names the sharded parameters for the non-finite guard; prints (rank 0) the
+        one-line model summary and which low-precision weights stay replicated."""
+        plugin = self.low_precision_plugin  # type: ignore[attr-defined]
+        plugin.guard.name_parameters(causal_lm)
         self.parallelization = record
+        rank_zero_info(model_summary_line(causal_lm, plugin, ranks=record.mesh_shape[0]))
         if record.input_dim_sharded:
             rank_zero_info(
                 f"{len(record.input_dim_sharded)} low-precision weight(s) break their format's dim-0 shard rule over "

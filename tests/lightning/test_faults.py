@@ -71,8 +71,9 @@ def _overwrite_4k(path: Path, shard: str) -> None:
 
 
 def _stderr_line(proc: subprocess.CompletedProcess) -> str:
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("lp-lightning: ")]
-    return line
+    """The run's last ``lp-lightning: `` line: the one it ended with (the model summary, and the run summary's
+    line of a stopped run, come before it)."""
+    return [line for line in proc.stderr.splitlines() if line.startswith("lp-lightning: ")][-1]
 
 
 def test_nan_in_one_batch_skips_that_step_and_the_run_finishes(tmp_path, token_cache_dir):
