@@ -51,6 +51,7 @@ Fabric (set the model up first, then create the optimizer over the sharded Param
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -149,6 +150,31 @@ def model_summary_line(causal_lm: nn.Module, plugin: FSDP2PrecisionPlugin, *, ra
         return f"{head}; {plugin.mode} GEMMs, no low-precision weight."
     share = f"{_human_count(elements)} parameters, {elements / max(total, 1):.0%}"
     return f"{head}; {plugin.mode} GEMMs on {plugin.weights_summary} ({share})."
+
+
+_LIGHTNING_RESTORED = ("Restored all states from the checkpoint at ", "Loaded model weights from the checkpoint at ")
+"""Lightning's line after a restore (``_CheckpointConnector.resume_end``), which names the ``ckpt_path`` it was given."""
+
+
+class _DropRestoredFrom(logging.Filter):
+    """Drops Lightning's "Restored all states from the checkpoint at <requested>" when the strategy loaded
+    an older folder instead (``resume_fallback``): the strategy's own line, printed before it, names the
+    folder really loaded and stays the last word."""
+
+    def __init__(self, requested: Path) -> None:
+        super().__init__()
+        self.requested = requested
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(
+            message.startswith(prefix) and Path(message[len(prefix):].strip()) == self.requested
+            for prefix in _LIGHTNING_RESTORED
+        )
+
+
+_LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+"""The logger of Lightning's ``rank_zero_info`` in a Trainer process."""
 
 
 class _FSDP2Common:
@@ -434,6 +460,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         """Lightning's teardown, then the stop request's watchdog is disarmed (it bounds a stop up to here:
         the save, the run summary, the exception hooks; :mod:`lp_lightning.lightning.preemption`)."""
         super().teardown()
+        self._remove_restored_filter()
         if isinstance(self.precision_plugin, FSDP2PrecisionPlugin):
             self.precision_plugin.stop.disarm()
 
@@ -512,7 +539,9 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         Then the low-precision weights are rebuilt once from the restored FP32 masters (design spec §11;
         the checkpoint holds no derived data, so it may come from another precision). A damaged
         checkpoint (:class:`~lp_lightning.checkpoint.dcp.DamagedCheckpointError`) is replaced
-        by the newest intact older one with ``resume_fallback``, else fails naming that one.
+        by the newest intact older one with ``resume_fallback``, else fails naming that one; after
+        such a fallback Lightning's "Restored all states from the checkpoint at <damaged>" is dropped
+        (:class:`_DropRestoredFrom`), so the strategy's "loaded X instead of the damaged Y" is the last word.
 
         Raises:
             DamagedCheckpointError: The checkpoint (and, with ``resume_fallback``, every older one)
@@ -530,8 +559,19 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         ))
+        self._remove_restored_filter()
+        if self.loaded_checkpoint != str(path):  # Lightning is about to say it restored `path`: it did not
+            self._restored_filter = _DropRestoredFrom(path)
+            logging.getLogger(_LIGHTNING_RANK_ZERO_LOGGER).addFilter(self._restored_filter)
         self.low_precision_plugin.rebuild_after_load(self._causal_lm())
         return metadata
+
+    _restored_filter: _DropRestoredFrom | None = None
+
+    def _remove_restored_filter(self) -> None:
+        if self._restored_filter is not None:
+            logging.getLogger(_LIGHTNING_RANK_ZERO_LOGGER).removeFilter(self._restored_filter)
+            self._restored_filter = None
 
 
 class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):

@@ -198,6 +198,24 @@ def test_trainer_activation_checkpoint_from_the_strategy_or_the_module():
         FSDP2Strategy(resume_fallback="yes")
 
 
+def test_lightnings_restored_from_line_is_dropped_only_for_the_damaged_folder_it_names(tmp_path):
+    """After a fallback load Lightning would say "Restored all states from the checkpoint at <damaged>": the
+    strategy's filter drops exactly that record (its own "loaded X instead of the damaged Y" is the last word)."""
+    from lp_lightning.lightning.strategy import _DropRestoredFrom
+
+    damaged = tmp_path / "checkpoints" / "step-000100"
+    drop = _DropRestoredFrom(damaged)
+
+    def passes(message: str) -> bool:
+        return drop.filter(logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1,
+                                             message, None, None))
+
+    assert not passes(f"Restored all states from the checkpoint at {damaged}")
+    assert not passes(f"Loaded model weights from the checkpoint at {damaged}/")
+    assert passes(f"Restored all states from the checkpoint at {damaged.parent / 'step-000090'}")
+    assert passes("`Trainer.fit` stopped: `max_steps=2` reached.")
+
+
 def test_the_one_line_model_summary_counts_parameters_and_low_precision_weights():
     from lp_lightning.lightning.strategy import model_summary_line
 
