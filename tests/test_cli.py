@@ -328,7 +328,7 @@ def test_only_fit_and_validate_are_offered(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["test"])
     assert exit_info.value.code == 2
-    assert "{fit,validate}" in capsys.readouterr().err
+    assert "invalid choice: 'test' (choose from 'fit', 'validate')" in capsys.readouterr().err
     assert set(LPLightningCLI.subcommands()) == {"fit", "validate"}
 
 
@@ -491,3 +491,4 @@ def test_a_usage_error_is_at_most_five_lines_without_the_usage(capsys, options, 
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("lp-lightning", "  "))]
     assert 2 <= len(err) <= 5 and expected in "\n".join(err), err
     assert err[0].startswith("lp-lightning fit: error: ") and err[-1] == "lp-lightning fit --help lists every option."
+
