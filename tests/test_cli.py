@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -654,3 +657,46 @@ def test_a_usage_error_under_torchrun_is_said_by_rank_zero_only(capsys, monkeypa
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(CONFIGS / "dsv3_tiny.yaml"), "--trainer.max_step", "5"])
     assert exit_info.value.code == 2 and "error" not in capsys.readouterr().err
+
+
+_THIRD_PARTY_NOISE = re.compile(
+    r"\.py:\d+[:\]]"                   # a warning's `file.py:123:` or a torch log record's `file.py:630]`
+    r"|^[DIWEF]\d{4} \d\d:\d\d:\d\d"  # torch's log-record prefix (W1204 03:02:08.005000 ...)
+    r"|warn|deprecat|Failed to load|Tip:|FLOPs|Traceback|[┏┃┡└]",  # warnings, advice, the model-summary table
+    re.IGNORECASE,
+)
+"""A console line that is a warning or a log record (the product's own lines are told apart by their source)."""
+
+
+def _third_party_noise(output: str) -> list[str]:
+    return [line for line in output.splitlines() if _THIRD_PARTY_NOISE.search(line)
+            and not line.startswith("lp-lightning") and "lp_lightning/" not in line]
+
+
+@pytest.mark.slow
+def test_a_quiet_mxfp8_fit_prints_no_third_party_warning_and_ends_with_its_summary_line(tmp_path, token_cache_dir):
+    """Issue 23 item 5: a 2-step mxfp8 fit (defaults but short sequences) prints no third-party warning or log
+    record (torchao, torch's pytree, Lightning's tip, model summary and warnings), one count of the low-precision
+    weights and modules, the one-line model summary, and at the end where the summary and the loss plot went."""
+    root = tmp_path / "run"
+    command = [sys.executable, "-m", "lp_lightning.cli", "fit", "--config", str(CONFIGS / "dsv3_tiny.yaml"),
+               "--precision", "mxfp8", "--trainer.max_steps", "2", "--trainer.default_root_dir", str(root),
+               "--data.cache_dir", token_cache_dir, "--data.seq_len", "32", "--data.global_batch_size", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CONFIGS.parent), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    assert _third_party_noise(output) == [], output
+    lines = output.splitlines()
+    assert any(line.startswith("lp-lightning: mxfp8 on 25 low-precision weights in 23 modules, op backend 'emulated'")
+               for line in lines), output
+    assert ("lp-lightning: model 3.0 M parameters, FP32 masters, FSDP2 over 1 rank; mxfp8 GEMMs on 25 low-precision "
+            "weights in 23 modules (2.8 M parameters, 91%).") in lines, output
+    summary = json.loads((root / "run_summary.json").read_text())
+    assert summary["replacement"]["num_replaced"] == 23 and summary["replacement"]["low_precision_weights"] == 25
+    plot = root / "loss.png"
+    assert summary["loss_plot"] == str(plot) and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    last = [line for line in lines if line.startswith("lp-lightning: ")][-1]
+    assert last == (f"lp-lightning: steps 1-2 done, loss {summary['loss_first']:.4g} -> {summary['loss_last']:.4g}, "
+                    f"{summary['tokens_per_s']:,.0f} tokens/s (steady median); summary {root / 'run_summary.json'}, "
+                    f"loss plot {plot}")

@@ -265,6 +265,10 @@ def test_dsv3_16b_default_plan_replaces_exactly_the_low_precision_gemms(dsv3_16b
                  "shared_experts: 81 replaced", "routed_experts: 27 replaced"):
         assert line in text
     assert "model.layers.27.mlp.experts" in report.format(verbose=True)
+    assert summary["low_precision_weights"] is None  # the plan counts modules; finalize counts the weights
+    counted = dataclasses.replace(report, low_precision_weights=250)  # what the precision plugin reports
+    assert "223 module(s) replaced holding 250 low-precision weights, 0 skipped" in counted.format()
+    assert counted.as_dict()["low_precision_weights"] == 250
 
 
 def test_plan_yaml_is_the_adapter_default_of_dsv3_16b_by_full_fqn(dsv3_16b_meta):

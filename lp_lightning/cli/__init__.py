@@ -7,27 +7,83 @@ YAML through :func:`~lp_lightning.cli.fit.plan_settings`; ``st`` (:mod:`lp_light
 :func:`~lp_lightning.cli.fit.parse_config` and :func:`main` itself (the harness never imports the CLI).
 This module is the only one of the package that imports ``st`` and ``planner`` (tests/test_import_layers.py),
 and the only one that writes the process environment: the CPU thread default (:func:`default_cpu_threads`).
+Importing it filters known third-party console noise, message by message (:func:`quiet_third_party`).
 ``python -m lp_lightning.cli ...`` runs :func:`main` (``__main__.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shlex
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lp_lightning.cli.fit import LPLightningCLI, parse_config, plan_settings
-from lp_lightning.cli.launch import NothingToDo, is_rank_zero
-from lp_lightning.checkpoint.dcp import CheckpointSpaceError, DamagedCheckpointError, NonFiniteStateError
-from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV
-from lp_lightning.lightning.preemption import SignalStop
 
-__all__ = ["CPU_THREADS_DEFAULT", "default_cpu_threads", "main"]
+class _DropMessages(logging.Filter):
+    """Drops the records of one logger whose message matches ``pattern`` (third-party noise, see :func:`quiet_third_party`)."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
+
+
+_QUIET_LOGS: tuple[tuple[str, str], ...] = (
+    # torchao is not used by lp-lightning; transformers.quantizers imports it whenever it is installed (the
+    # benchmark suite's peer), and on CPU it cannot load its CUDA extensions.
+    ("torchao", r"^Failed to load .*torchao[/\\]_C\S*\.so\b"),
+    # torchao registering its enums with torch's pytree at import (torchao's deprecation, not ours).
+    ("torch.utils._pytree", r"is an Enum subclass and is now natively supported by torch\.compile"),
+    # Lightning's logger connector advertises a cloud logger on every Trainer (CSVLogger is the run's logger).
+    ("lightning.pytorch.utilities.rank_zero", r"^\W*Tip: For seamless cloud logging"),
+    ("lightning.fabric.utilities.rank_zero", r"^\W*Tip: For seamless cloud logging"),
+)
+"""(logger, message pattern) of the third-party log records ``lp-lightning`` drops."""
+
+_QUIET_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
+    # Lightning's own call of a torch API torch deprecated (lightning/pytorch/utilities/_pytree.py).
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree$"),
+    # PretrainDataModule's loaders always run in the main process (num_workers=0, fixed), so no worker can
+    # duplicate data and the stream's __len__ (the run's micro-batches, needed for a resumable loader) is exact.
+    (r"Your `IterableDataset` has `__len__` defined", UserWarning, r"lightning\.pytorch\.utilities\.data$"),
+)
+"""(message, category, module) of the third-party warnings ``lp-lightning`` ignores."""
+
+
+def quiet_third_party() -> None:
+    """Drops the third-party log records and warnings of :data:`_QUIET_LOGS` / :data:`_QUIET_WARNINGS`.
+
+    Each entry matches one known message of one library, so everything else they say still shows.
+    Runs when this module is imported: after ``import torch`` (whose logging setup may reset its
+    loggers' levels; filters are not levels) and before Lightning, transformers and torchao load.
+    """
+    for name, pattern in _QUIET_LOGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_DropMessages(pattern))
+    for message, category, module in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+quiet_third_party()
+
+from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402 - after quiet_third_party()
+
+from lp_lightning.cli.fit import LPLightningCLI, parse_config, plan_settings  # noqa: E402
+from lp_lightning.cli.launch import NothingToDo, is_rank_zero  # noqa: E402
+from lp_lightning.checkpoint.dcp import CheckpointSpaceError, DamagedCheckpointError, NonFiniteStateError  # noqa: E402
+from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV  # noqa: E402
+from lp_lightning.lightning.preemption import SignalStop  # noqa: E402
+
+__all__ = ["CPU_THREADS_DEFAULT", "default_cpu_threads", "main", "quiet_third_party"]
 
 CPU_THREADS_DEFAULT = 1
 """Intra-op threads per CPU process when ``OMP_NUM_THREADS`` is unset (docs/performance.md "Threads")."""

@@ -124,6 +124,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "check_val_every_n_epoch": None,
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
+    "enable_model_summary": False,
     "gradient_clip_val": 1.0,
     "deterministic": True,
     "use_distributed_sampler": False,
@@ -132,6 +133,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 
 ``default_root_dir``'s ``{precision}`` becomes the run's ``--precision`` while parsing (:data:`PRECISION_FIELD`).
 ``use_distributed_sampler`` must stay false: the datamodule already gives each rank its rows.
+``enable_model_summary: false``: the strategy prints a one-line model summary instead of Lightning's
+table (which cannot size FP32 masters under this precision plugin and counts no FLOPs).
 ``val_check_interval`` counts training micro-batches (Lightning's unit); with
 ``accumulate_grad_batches: 1`` that is optimizer steps.
 """

@@ -24,7 +24,9 @@ recipe's backend (docs/architecture.md "The path of one GEMM").
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -72,7 +74,8 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
             (before: the ``backend`` setting, ``"auto"`` resolving by the device).
         lifecycle: The run's :class:`~lp_lightning.fsdp.lifecycle.LowPrecisionLifecycle` (gather policy,
             finalize, placements, refreshes); the strategy hands it to ``parallelize_causal_lm``.
-        replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module`.
+        replacement_report: The plan's ``ReplacementReport`` after :meth:`convert_module` (with its
+            ``low_precision_weights`` count).
         low_precision_weights: FQNs of the parameters turned into low-precision weights.
 
     Raises:
@@ -104,6 +107,7 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
         self.lifecycle: LowPrecisionLifecycle = LowPrecisionLifecycle()
         self._report: ReplacementReport | None = None
         self._weights: tuple[str, ...] = ()
+        self._elements = 0
         self._device: torch.device | None = None
 
     # -- what the run reports ----------------------------------------------------------------------
@@ -121,6 +125,10 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
     @property
     def low_precision_weights(self) -> tuple[str, ...]:
         return self._weights
+
+    @property
+    def low_precision_elements(self) -> int:
+        return self._elements
 
     @property
     def refreshes(self) -> dict[str, int]:
@@ -198,12 +206,14 @@ class LowPrecisionFabricPlugin(FSDP2PrecisionPlugin):
             )
         report = self.compile_plan(adapter.build_meta_twin(causal_lm)).apply(causal_lm)
         records = self.lifecycle.finalize(causal_lm, recipe=self.policy)
-        self._report, self._weights = report, tuple(r.fqn for r in records)
+        self._report = dataclasses.replace(report, low_precision_weights=len(records))
+        self._weights = tuple(r.fqn for r in records)
+        self._elements = sum(math.prod(r.shape) for r in records)
         self._device = next(causal_lm.parameters()).device
-        log.info("%s\n%d low-precision weights finalized (FP32 masters)", report.format(), len(records))
+        log.info("%s\n%d low-precision weights finalized (FP32 masters)", self._report.format(), len(records))
         backend = self.backend  # resolved now: an NPU device whose capability check fails stops here
         rank_zero_info(
-            f"lp-lightning: {self.mode} on {len(records)} weights, op backend {backend!r} "
+            f"lp-lightning: {self.mode} on {self.weights_summary}, op backend {backend!r} "
             f"(device {self._device.type}{', exact software emulation' if backend == 'emulated' else ''})."
         )
         return module

@@ -240,6 +240,22 @@ class FSDP2PrecisionPlugin(FabricPrecision):
         return ()
 
     @property
+    def low_precision_elements(self) -> int:
+        """Elements of the low-precision weights (their logical shapes; 0 in ``bf16``)."""
+        return 0
+
+    @property
+    def weights_summary(self) -> str:
+        """The low-precision weights and the modules holding them, in the words every message uses
+        (``"25 low-precision weights in 23 modules"``; ``"no low-precision weight"`` in ``bf16``)."""
+        report = self.replacement_report
+        weights = len(self.low_precision_weights)
+        if not weights:
+            return "no low-precision weight"
+        modules = "?" if report is None else report.num_replaced
+        return f"{weights} low-precision weight{'s' if weights != 1 else ''} in {modules} module{'s' if modules != 1 else ''}"
+
+    @property
     def refreshes(self) -> dict[str, int]:
         """Low-precision refresh calls by reason ``{"startup", "step", "resume"}`` (all 0 in ``bf16``)."""
         return {"startup": 0, "step": 0, "resume": 0}

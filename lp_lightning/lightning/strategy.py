@@ -51,6 +51,7 @@ Fabric (set the model up first, then create the optimizer over the sharded Param
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -91,7 +92,7 @@ from lp_lightning.lightning.precision import TRAINER_PLUGIN_STATE_KEYS, FSDP2Pre
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.observers import notify_collective, stage
 
-__all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy"]
+__all__ = ["OPTIMIZER_CHECKPOINT_KEY", "FSDP2FabricStrategy", "FSDP2Strategy", "model_summary_line"]
 
 OPTIMIZER_CHECKPOINT_KEY = "optimizer"
 """DCP key prefix of the Trainer's optimizer view (``optimizer.state.<hf fqn>.exp_avg``)."""
@@ -124,6 +125,56 @@ def _check_materialized(module: nn.Module) -> None:
             f"{len(meta)} parameter(s) are still on the meta device (first: {meta[0]!r}); build the "
             f"model materialised (from_hf_config(..., device='cpu')) in configure_model."
         )
+
+
+def _human_count(count: int) -> str:
+    """``3.0 M``, ``15.7 B``: a parameter count as Lightning's model summary writes it."""
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return str(count)
+
+
+def model_summary_line(causal_lm: nn.Module, plugin: FSDP2PrecisionPlugin, *, ranks: int) -> str:
+    """The one-line model summary the strategies print after sharding (``lp-lightning fit`` turns
+    Lightning's model-summary table off: it cannot size FP32 masters under this plugin and counts no FLOPs).
+
+    E.g. ``lp-lightning: model 3.0 M parameters, FP32 masters, FSDP2 over 1 rank; mxfp8 GEMMs on 25
+    low-precision weights in 23 modules (2.8 M parameters, 91%).``
+    """
+    total = sum(p.numel() for p in causal_lm.parameters())
+    over = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    head = f"lp-lightning: model {_human_count(total)} parameters, FP32 masters, FSDP2 over {over}"
+    elements = plugin.low_precision_elements
+    if not plugin.low_precision_weights:
+        return f"{head}; {plugin.mode} GEMMs, no low-precision weight."
+    share = f"{_human_count(elements)} parameters, {elements / max(total, 1):.0%}"
+    return f"{head}; {plugin.mode} GEMMs on {plugin.weights_summary} ({share})."
+
+
+_LIGHTNING_RESTORED = ("Restored all states from the checkpoint at ", "Loaded model weights from the checkpoint at ")
+"""Lightning's line after a restore (``_CheckpointConnector.resume_end``), which names the ``ckpt_path`` it was given."""
+
+
+class _DropRestoredFrom(logging.Filter):
+    """Drops Lightning's "Restored all states from the checkpoint at <requested>" when the strategy loaded
+    an older folder instead (``resume_fallback``): the strategy's own line, printed before it, names the
+    folder really loaded and stays the last word."""
+
+    def __init__(self, requested: Path) -> None:
+        super().__init__()
+        self.requested = requested
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(
+            message.startswith(prefix) and Path(message[len(prefix):].strip()) == self.requested
+            for prefix in _LIGHTNING_RESTORED
+        )
+
+
+_LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
+"""The logger of Lightning's ``rank_zero_info`` in a Trainer process."""
 
 
 class _FSDP2Common:
@@ -178,10 +229,12 @@ class _FSDP2Common:
         return self._device_mesh
 
     def _record_parallelization(self, record: ParallelizationRecord, causal_lm: nn.Module) -> None:
-        """Keeps what setup did; names the sharded parameters for the non-finite guard; says (rank 0)
-        which low-precision weights stay replicated."""
-        self.low_precision_plugin.guard.name_parameters(causal_lm)  # type: ignore[attr-defined]
+        """Keeps what setup did; names the sharded parameters for the non-finite guard; prints (rank 0) the
+        one-line model summary and which low-precision weights stay replicated."""
+        plugin = self.low_precision_plugin  # type: ignore[attr-defined]
+        plugin.guard.name_parameters(causal_lm)
         self.parallelization = record
+        rank_zero_info(model_summary_line(causal_lm, plugin, ranks=record.mesh_shape[0]))
         if record.input_dim_sharded:
             rank_zero_info(
                 f"{len(record.input_dim_sharded)} low-precision weight(s) break their format's dim-0 shard rule over "
@@ -407,6 +460,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         """Lightning's teardown, then the stop request's watchdog is disarmed (it bounds a stop up to here:
         the save, the run summary, the exception hooks; :mod:`lp_lightning.lightning.preemption`)."""
         super().teardown()
+        self._remove_restored_filter()
         if isinstance(self.precision_plugin, FSDP2PrecisionPlugin):
             self.precision_plugin.stop.disarm()
 
@@ -485,8 +539,10 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
         Then the low-precision weights are rebuilt once from the restored FP32 masters (design spec §11;
         the checkpoint holds no derived data, so it may come from another precision). A damaged
         checkpoint (:class:`~lp_lightning.checkpoint.dcp.DamagedCheckpointError`) is replaced
-        by the newest intact older one with ``resume_fallback``, else fails naming that one. Outside
-        ``fit`` (``validate``: no optimizer exists) only the weights are restored, not the plugin state.
+        by the newest intact older one with ``resume_fallback``, else fails naming that one; after
+        such a fallback Lightning's "Restored all states from the checkpoint at <damaged>" is dropped
+        (:class:`_DropRestoredFrom`), so the strategy's "loaded X instead of the damaged Y" is the last word.
+        Outside ``fit`` (``validate``: no optimizer exists) only the weights are restored, not the plugin state.
 
         Raises:
             DamagedCheckpointError: The checkpoint (and, with ``resume_fallback``, every older one)
@@ -504,6 +560,10 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         ))
+        self._remove_restored_filter()
+        if self.loaded_checkpoint != str(path):  # Lightning is about to say it restored `path`: it did not
+            self._restored_filter = _DropRestoredFrom(path)
+            logging.getLogger(_LIGHTNING_RANK_ZERO_LOGGER).addFilter(self._restored_filter)
         self.low_precision_plugin.rebuild_after_load(self._causal_lm())
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             # validate: the weights only; the plugin's step counters (and its note on resuming the
@@ -511,6 +571,13 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             for key in TRAINER_PLUGIN_STATE_KEYS:
                 metadata.pop(key, None)
         return metadata
+
+    _restored_filter: _DropRestoredFrom | None = None
+
+    def _remove_restored_filter(self) -> None:
+        if self._restored_filter is not None:
+            logging.getLogger(_LIGHTNING_RANK_ZERO_LOGGER).removeFilter(self._restored_filter)
+            self._restored_filter = None
 
 
 class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):

@@ -95,6 +95,8 @@ class ReplacementReport:
         replaced: One entry per replaced module object (aliases folded in), in ``named_modules`` order.
         skipped: Modules a rule's ``match`` named that were left alone, with the reason.
         inactive_rules: ``(rule name, reason)`` for rules that did not run (e.g. low precision off).
+        low_precision_weights: Low-precision weights the replaced modules hold (an experts module holds
+            two), set by whoever finalized them (the precision plugin); ``None`` when not counted.
     """
 
     policy: LowPrecisionPolicy
@@ -103,6 +105,7 @@ class ReplacementReport:
     replaced: tuple[ReplacedModule, ...]
     skipped: tuple[SkippedModule, ...]
     inactive_rules: tuple[tuple[str, str], ...]
+    low_precision_weights: int | None = None
 
     @property
     def counts(self) -> dict[str, int]:
@@ -123,6 +126,7 @@ class ReplacementReport:
             "applied": self.applied,
             "counts": self.counts,
             "num_replaced": self.num_replaced,
+            "low_precision_weights": self.low_precision_weights,
             "num_skipped": len(self.skipped),
             "replaced": [item.as_dict() for item in self.replaced],
             "skipped": [item.as_dict() for item in self.skipped],
@@ -143,8 +147,9 @@ class ReplacementReport:
             The text, without a trailing newline.
         """
         verb = "replaced" if self.applied else "to replace"
+        weights = "" if self.low_precision_weights is None else f" holding {self.low_precision_weights} low-precision weights"
         lines = [
-            f"module replacement ({self.policy.describe()}): {self.num_replaced} module(s) {verb}, "
+            f"module replacement ({self.policy.describe()}): {self.num_replaced} module(s) {verb}{weights}, "
             f"{len(self.skipped)} skipped"
         ]
         inactive = dict(self.inactive_rules)

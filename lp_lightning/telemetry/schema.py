@@ -119,6 +119,11 @@ class RunSummary:
         "The tracker (`torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker`); `null` without a measurement."
     )
     checkpoints: list[str] = _key("Checkpoint folders written by this call, in order.")
+    loss_plot: str | None = _key(
+        "The PNG of this call's per-step training loss written beside the summary (`loss.png`; "
+        "`<summary stem>_loss.png` for another summary name); `null` with `--run_summary.plot false`, on ranks "
+        "other than 0, or when it could not be drawn (one warning says why)."
+    )
     versions: dict[str, str | None] = _key(
         "`lp_lightning`, `git_commit` (`-dirty` with local changes), `python`, `torch`, `torch_npu`, `cann`, "
         "`lightning`, `transformers` (design spec §17.1; `null` when absent)."
@@ -148,8 +153,9 @@ class RunSummary:
         "`kernels` and `refresh`: no low-precision weight, GEMM or refresh exists there)."
     )
     replacement: dict[str, Any] | None = _key(
-        "The replacement plan's report (`ReplacementReport.as_dict()`: `counts` per rule, `replaced` FQNs, "
-        "`skipped` with reasons); `null` in bf16 (no plan runs)."
+        "The replacement plan's report (`ReplacementReport.as_dict()`: `counts` per rule, `num_replaced` modules, "
+        "`low_precision_weights` they hold (an experts module holds two), `replaced` FQNs, `skipped` with reasons); "
+        "`null` in bf16 (no plan runs)."
     )
     sharding: dict[str, Any] | None = _key(
         "What the strategy's setup did (`ParallelizationRecord`): `steps`, `mesh_shape`, `reshard_after_forward`, "

@@ -21,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -30,6 +31,7 @@ from lp_lightning.lightning.callbacks import THREADS_DEFAULTED_ENV, PeriodicChec
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
 from lp_lightning.lightning.preemption import SignalStop, exit_status
 from lp_lightning.lightning.strategy import FSDP2Strategy
+from lp_lightning.telemetry.loss_plot import finished_line, loss_plot_path, write_loss_plot
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
 from lp_lightning.telemetry.schema import RunSummary
@@ -174,16 +176,25 @@ class RunSummaryCallback(Callback):
             ``wire_trace_rank<r>.json`` (:class:`~lp_lightning.telemetry.probes.WireRecorder`,
             FSDP2's public comm hooks). Off by default: ``wire`` is then ``null`` and no trace is
             written; the st harness turns it on.
+        plot: Draw the per-step training loss into ``loss.png`` beside the summary
+            (:mod:`~lp_lightning.telemetry.loss_plot`; ``loss_plot`` in the summary).
+
+    At the end of ``fit`` rank 0 prints one line: the steps, loss first -> last, the steady tokens/s
+    and where the summary and the plot went.
 
     Attributes:
         summary: The dict written last (``None`` before the end of ``fit``).
     """
 
-    def __init__(self, path: str | None = None, precision: str | None = None, wire: bool = False) -> None:
+    def __init__(
+        self, path: str | None = None, precision: str | None = None, wire: bool = False, plot: bool = True
+    ) -> None:
         self.path = path
         self.precision = precision
         self.wire = wire
+        self.plot = plot
         self.summary: dict[str, Any] | None = None
+        self._finished_line: str | None = None
         self._gemms = self._refresh = self._wire = None
         self._reset(0)
 
@@ -259,6 +270,7 @@ class RunSummaryCallback(Callback):
                 self._signal_stop = exception
             self.on_train_end(trainer, pl_module)
             self.on_fit_end(trainer, pl_module)
+            self._print_finished_line()  # Lightning calls no teardown hook after an exception
         self._stop_recorders()
         self._gemms = self._refresh = self._wire = None
 
@@ -379,6 +391,7 @@ class RunSummaryCallback(Callback):
             "peak_memory_source": self._peak[1],
             **(self._tensor_memory or _NO_TENSOR_MEMORY),
             "checkpoints": checkpoints,
+            "loss_plot": None,  # rank 0 draws it in on_fit_end
             "versions": software_versions(),
             "global_step": trainer.global_step,
             "first_step": self._first_step,
@@ -470,4 +483,26 @@ class RunSummaryCallback(Callback):
         _write_wire_trace(trainer, self._wire, path)
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if self.plot and self.summary["steps"]:
+                self.summary["loss_plot"] = self._write_loss_plot(path)
             path.write_text(json.dumps(self.summary, indent=2) + "\n")
+            self._finished_line = finished_line(self.summary, path)  # printed by teardown, after the progress bar
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._print_finished_line()
+
+    def _print_finished_line(self) -> None:
+        if self._finished_line is not None:
+            rank_zero_info(self._finished_line)
+            self._finished_line = None
+
+    def _write_loss_plot(self, summary_path: Path) -> str | None:
+        """``loss.png`` beside the summary; a plot that cannot be drawn costs one warning, not the finished run."""
+        plot = loss_plot_path(summary_path)
+        try:
+            return str(write_loss_plot(self.summary or {}, plot))
+        except Exception as err:  # noqa: BLE001 - matplotlib missing or broken, a full disk: the run itself is done
+            rank_zero_warn(f"run_summary: the loss plot {str(plot)!r} was not written ({type(err).__name__}: {err}); "
+                           "run_summary.json holds the losses. Pass --run_summary.plot false to skip it.")
+            return None

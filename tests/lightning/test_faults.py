@@ -71,8 +71,9 @@ def _overwrite_4k(path: Path, shard: str) -> None:
 
 
 def _stderr_line(proc: subprocess.CompletedProcess) -> str:
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("lp-lightning: ")]
-    return line
+    """The run's last ``lp-lightning: `` line: the one it ended with (the model summary, and the run summary's
+    line of a stopped run, come before it)."""
+    return [line for line in proc.stderr.splitlines() if line.startswith("lp-lightning: ")][-1]
 
 
 def test_nan_in_one_batch_skips_that_step_and_the_run_finishes(tmp_path, token_cache_dir):
@@ -153,6 +154,10 @@ def test_corrupted_shard_bytes_last_skips_the_folder_and_an_explicit_path_fails(
     assert nothing == {} and _steps_on_disk(root) == ["step-000001", "step-000002", "step-000003"]  # no step ran
     proc, resumed = _fit(root, token_cache_dir, "--trainer.max_steps", "4", "--ckpt_path", "last")
     assert f"ckpt_path=last skips {str(damaged)!r} ({problem}); trying the previous one." in proc.stderr
+    # The product's line is the last word on what was loaded: Lightning's "Restored all states" naming the
+    # damaged folder it was given is dropped.
+    assert f"ckpt_path=last: loaded {previous!r} instead of the damaged {str(damaged)!r}." in proc.stderr
+    assert "Restored all states" not in proc.stderr
     assert resumed["first_step"] == 2 and resumed["global_step"] == 4
     assert resumed["losses"][0] == continuous["losses"][2]  # step 3 again, from step 2's state: bitwise equal
 

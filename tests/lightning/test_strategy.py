@@ -10,6 +10,7 @@ the FP32 order of the mean and is compared at 1e-6.
 from __future__ import annotations
 
 import inspect
+import logging
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -195,3 +196,34 @@ def test_trainer_activation_checkpoint_from_the_strategy_or_the_module():
         FSDP2FabricStrategy(activation_checkpoint="selective")
     with pytest.raises(TypeError, match="resume_fallback must be a bool"):
         FSDP2Strategy(resume_fallback="yes")
+
+
+def test_lightnings_restored_from_line_is_dropped_only_for_the_damaged_folder_it_names(tmp_path):
+    """After a fallback load Lightning would say "Restored all states from the checkpoint at <damaged>": the
+    strategy's filter drops exactly that record (its own "loaded X instead of the damaged Y" is the last word)."""
+    from lp_lightning.lightning.strategy import _DropRestoredFrom
+
+    damaged = tmp_path / "checkpoints" / "step-000100"
+    drop = _DropRestoredFrom(damaged)
+
+    def passes(message: str) -> bool:
+        return drop.filter(logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1,
+                                             message, None, None))
+
+    assert not passes(f"Restored all states from the checkpoint at {damaged}")
+    assert not passes(f"Loaded model weights from the checkpoint at {damaged}/")
+    assert passes(f"Restored all states from the checkpoint at {damaged.parent / 'step-000090'}")
+    assert passes("`Trainer.fit` stopped: `max_steps=2` reached.")
+
+
+def test_the_one_line_model_summary_counts_parameters_and_low_precision_weights():
+    from lp_lightning.lightning.strategy import model_summary_line
+
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))  # 1,011,010 parameters
+    assert model_summary_line(model, BF16Plugin(), ranks=2) == (
+        "lp-lightning: model 1.0 M parameters, FP32 masters, FSDP2 over 2 ranks; bf16 GEMMs, no low-precision weight.")
+    plugin = SimpleNamespace(mode="mxfp8", low_precision_weights=("0.weight",), low_precision_elements=1_000_000,
+                             weights_summary="1 low-precision weight in 1 module")
+    assert model_summary_line(model, plugin, ranks=1) == (  # type: ignore[arg-type]
+        "lp-lightning: model 1.0 M parameters, FP32 masters, FSDP2 over 1 rank; mxfp8 GEMMs on 1 low-precision "
+        "weight in 1 module (1.0 M parameters, 99%).")
