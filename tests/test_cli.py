@@ -700,3 +700,24 @@ def test_a_quiet_mxfp8_fit_prints_no_third_party_warning_and_ends_with_its_summa
     assert last == (f"lp-lightning: steps 1-2 done, loss {summary['loss_first']:.4g} -> {summary['loss_last']:.4g}, "
                     f"{summary['tokens_per_s']:,.0f} tokens/s (steady median); summary {root / 'run_summary.json'}, "
                     f"loss plot {plot}")
+
+
+def test_a_folder_that_refuses_files_even_to_root_and_a_file_in_the_cache_path_fail_at_launch(tmp_path, capsys,
+                                                                                              no_model_build):
+    (tmp_path / "afile").write_text("")
+    err = _launch_fails(capsys, "--trainer.default_root_dir", "/proc/lp-lightning-run",
+                        "--data.cache_dir", str(tmp_path / "tokens"))  # os.access says yes to root; a file says no
+    assert "trainer.default_root_dir='/proc/lp-lightning-run' cannot be written: '/proc' is not writable" in err
+    err = _launch_fails(capsys, "--trainer.default_root_dir", str(tmp_path / "run"),
+                        "--data.cache_dir", str(tmp_path / "afile" / "tok"))
+    assert f"data.cache_dir={str(tmp_path / 'afile' / 'tok')!r} cannot be written: {str(tmp_path / 'afile')!r} is a file" \
+        in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and no_model_build == []
+
+
+def test_an_unknown_subcommand_points_to_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fitt"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "lp-lightning --help lists every subcommand: fit, validate, validate-model, plan, st.")

@@ -221,8 +221,10 @@ class _LPArgumentParser(LightningArgumentParser):
             super().error(message, ex)  # raises ArgumentError (parse_config, the tests, st's checks)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
+        # The top-level parser knows fit/validate only; the dispatcher (lp_lightning.cli) serves the rest.
+        pointer = "every option" if " " in prog else "every subcommand: fit, validate, validate-model, plan, st"
         if is_rank_zero():  # under torchrun every process parses the same arguments: one of them says why
-            sys.stderr.write(f"{prog}: error: {_condensed(message)}\n{prog} --help lists every option.\n")
+            sys.stderr.write(f"{prog}: error: {_condensed(message)}\n{prog} --help lists {pointer}.\n")
         self.exit(2)
 
 

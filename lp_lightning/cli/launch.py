@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -232,15 +233,21 @@ _OUTPUTS = {
 
 
 def _unwritable(folder: Path) -> str | None:
-    """Why files cannot be created in ``folder`` (or the folder itself), or ``None``; creates nothing."""
+    """Why files cannot be created in ``folder`` (or the folder itself), or ``None``; leaves nothing behind.
+
+    Asked of the nearest existing folder by creating and removing one temporary file there: the only
+    answer that holds for root (whom ``os.access`` always allows) and for /proc- or /sys-like file systems.
+    """
     existing = existing_ancestor(folder)
     if not existing.is_dir():
         return f"{str(existing)!r} is a file"
-    if os.access(existing, os.W_OK | os.X_OK):
-        return None
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        return f"{str(existing)!r} is on a read-only file system"
-    return f"{str(existing)!r} is not writable by this user"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as err:
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            return f"{str(existing)!r} is on a read-only file system"
+        return f"{str(existing)!r} is not writable by this user ({err.strerror or type(err).__name__})"
 
 
 def _raise_if_unwritable(key: str, value: object, folder: Path) -> None:
@@ -255,7 +262,7 @@ def _check_output_folders(section: Namespace) -> None:
     """``trainer.default_root_dir``, ``checkpoint.dirpath`` and ``run_summary.path``'s folder can be written.
 
     Otherwise the CSV logger fails after launch with a traceback, once per rank. Checked on the nearest
-    existing folder (``os.access``), so nothing is created here.
+    existing folder with a temporary file that is removed at once (:func:`_unwritable`), so nothing stays.
 
     Raises:
         ValueError: Naming the key, the folder that refuses and the fix.
@@ -322,8 +329,11 @@ def _check_data(data: Namespace, trainer: Namespace) -> None:
             "true to train on it (undecodable bytes become U+FFFD)."
         )
     cache_dir = data.get("cache_dir")
+    cache_folder = Path(cache_dir or default_cache_dir())
+    if not cache_folder.is_dir():  # a file in the way, or a folder that cannot be made: before the cache lookup
+        _raise_if_unwritable("data.cache_dir", cache_dir or default_cache_dir(), cache_folder)
     if find_token_cache(corpus, tokenizer, cache_dir) is None:
-        _raise_if_unwritable("data.cache_dir", cache_dir or default_cache_dir(), Path(cache_dir or default_cache_dir()))
+        _raise_if_unwritable("data.cache_dir", cache_dir or default_cache_dir(), cache_folder)
     limit_val_batches = trainer.get("limit_val_batches")
     accumulation = trainer.get("accumulate_grad_batches") or 1
     micro_batch = data.get("global_batch_size") // accumulation if isinstance(accumulation, int) else None
