@@ -53,13 +53,14 @@ LAYERS: dict[str, str] = {
     "lp_lightning.data": "data",
     "lp_lightning.evidence": "evidence",
     "lp_lightning.observers": "util",
+    "lp_lightning.usage": "util",
     "lp_lightning.versions": "versions",
     "lp_lightning": "root",
 }
 
 _CONFIG = {"config", "format_registry", "root"}
 _GENERIC_LOW_PRECISION = {"formats", "format_registry"} | _CONFIG
-ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists) is allowed everywhere
+ALLOWED: dict[str, set[str]] = {  # "util" (the pure-Python observer lists, usage errors) is allowed everywhere
     "root": set(),
     "util": set(),
     "versions": {"root"},  # run_summary.json's software versions (package metadata, git)

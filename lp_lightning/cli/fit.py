@@ -101,6 +101,7 @@ from lightning.pytorch.trainer import Trainer
 from typing_extensions import override
 
 from lp_lightning.cli.launch import check_launch, is_rank_zero, launch_world_size
+from lp_lightning.usage import usage_error_text
 from lp_lightning.config import FSDP2Config
 from lp_lightning.lightning.callbacks import PeriodicCheckpoint, Preemption
 from lp_lightning.lightning.datamodule import PretrainDataModule, check_batch_geometry
@@ -224,21 +225,9 @@ class _LPArgumentParser(LightningArgumentParser):
         # The top-level parser knows fit/validate only; the dispatcher (lp_lightning.cli) serves the rest.
         pointer = "every option" if " " in prog else "every subcommand: fit, validate, validate-model, plan, st"
         if is_rank_zero():  # under torchrun every process parses the same arguments: one of them says why
-            sys.stderr.write(f"{prog}: error: {_condensed(message)}\n{prog} --help lists {pointer}.\n")
+            sys.stderr.write(usage_error_text(prog, message, pointer))
         self.exit(2)
 
-
-def _condensed(message: str, max_lines: int = 4) -> str:
-    """jsonargparse's multi-line type errors (``Parser key "...":`` and a dump of the union's subtypes) cut to the
-    key, what was expected and the value given (≤ ``max_lines``); every other message is kept whole (the launch
-    check's list of illegal shards names every FQN)."""
-    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
-    if len(lines) <= max_lines or not lines[0].startswith("Parser key "):  # the product's own messages stay whole
-        return "\n".join(lines)
-    expected = [line.strip().lstrip("- ") for line in lines[1:] if line.strip().lstrip("- ").startswith("Expected")]
-    given = [line.strip() for line in lines if line.strip().startswith("Given value:")]
-    kept = [lines[0], *("  " + line for line in expected[: max_lines - 1 - len(given[-1:])]), *("  " + g for g in given[-1:])]
-    return "\n".join(kept[:max_lines])
 
 
 def _requests_print_config(arg: str) -> bool:

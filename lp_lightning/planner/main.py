@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 
 from jsonargparse import ActionYesNo, ArgumentParser
 
+from lp_lightning.usage import usage_error_text
 from lp_lightning.planner.memory import COMPONENTS, DEFAULT_BUDGET_BYTES, MemoryPlan, plan_memory
 
 __all__ = ["DEFAULTS", "build_parser", "format_plan", "plan_main"]
@@ -170,7 +171,7 @@ def plan_main(argv: list[str] | None = None, *, read_fit_config: FitConfigReader
 
 
 def _usage_error(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.stderr.write(usage_error_text(PROG, message))
     return 2
 
 

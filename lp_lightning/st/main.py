@@ -31,10 +31,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from jsonargparse import ArgumentParser
 
+from lp_lightning.usage import usage_error_text
 from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.st.cases import (
     CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
@@ -51,9 +52,24 @@ __all__ = ["build_parser", "st_main"]
 PARTS = ("runs", "illegal", "numerics")
 
 
+class _Parser(ArgumentParser):
+    """``lp-lightning st``'s parser: a usage error is its message and a pointer to ``--help`` (no usage dump);
+    options are never abbreviated."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        sys.stderr.write(usage_error_text(self.prog, message))
+        self.exit(2)
+
+
 def build_parser() -> ArgumentParser:
     """The options of ``lp-lightning st``."""
-    parser = ArgumentParser(prog="lp-lightning st", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="lp-lightning st", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=str | None, default=None,
                         help="The lp-lightning fit YAML every run starts from (default: the embedded dsv3-tiny).")
     parser.add_argument("--out", type=str, default="runs/st", help="Output folder of the runs and the report.")

@@ -156,3 +156,12 @@ def test_a_signal_stops_st_and_every_fit_process_it_started(tmp_path, sig, code,
     assert "Seed set to" not in stderr + stdout  # st's own process does not seed (its fit runs do)
     time.sleep(0.5)
     assert _processes_naming(run) == []
+
+
+def test_a_usage_error_is_its_message_and_a_pointer_to_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["st", "--bogus", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["lp-lightning st: error: unrecognized arguments: --bogus 1",
+                   "lp-lightning st --help lists every option."]
