@@ -222,25 +222,40 @@ def _check_options(args: Any) -> tuple[STSettings, tuple[Any, ...], set[str]]:
     is 2 when ``--devices`` is not given; the caller puts the YAML's in).
 
     Raises:
-        ValueError: an option breaking a usage rule (module docstring), naming it.
+        ValueError: every option breaking a usage rule (module docstring), one line each, naming it.
     """
+    problems: list[str] = []  # every broken rule at once, one line each
     for option in ("rows", "cases"):
         if not args[option]:
             choices = list(ROW_RUNS) if option == "rows" else [c.name for c in CASES]
-            raise ValueError(f"--{option} is empty; name at least one of {choices} (or leave it out for all).")
+            problems.append(f"--{option} is empty; name at least one of {choices} (or leave it out for all).")
     values = {k: args[k] for k in STSettings.__dataclass_fields__ if k != "devices"}
-    settings = STSettings(devices=2 if args.devices is None else args.devices, **values)
-    cases = tuple(case_by_name(name) for name in args.cases)
+    settings = cases = needed = None
+    try:
+        settings = STSettings(devices=2 if args.devices is None else args.devices, **values)
+    except ValueError as err:
+        problems += str(err).splitlines()
+    try:
+        cases = tuple(case_by_name(name) for name in args.cases)
+    except ValueError as err:
+        problems.append(str(err))
     unknown = sorted(set(args.skip) - set(PARTS))
     if unknown:
-        raise ValueError(f"--skip {unknown}: unknown part; parts: {list(PARTS)}.")
-    needed = runs_for_rows(args.rows)
-    missing = {row: sorted(need - set(args.cases)) for row, need in cases_for_rows(args.rows).items()}
+        problems.append(f"--skip {unknown}: unknown part; parts: {list(PARTS)}.")
+    try:
+        needed = runs_for_rows(args.rows)
+        missing = {row: sorted(need - set(args.cases)) for row, need in cases_for_rows(args.rows).items()}
+    except ValueError as err:
+        problems.append(str(err))
+        missing = {}
     missing = {row: left for row, left in missing.items() if left}
-    if missing and not args.reduced:
+    if missing and args.cases and not args.reduced:
         rows = ", ".join(f"{row} ({', '.join(left)})" for row, left in missing.items())
-        raise ValueError(f"--cases {list(args.cases)} leaves out cases these --rows read: {rows}. Add them to --cases, "
-                         "drop the rows, or pass --reduced true (smoke run).")
+        problems.append(f"--cases {list(args.cases)} leaves out cases these --rows read: {rows}. Add them to "
+                        "--cases, drop the rows, or pass --reduced true (smoke run).")
+    if problems:
+        raise ValueError("\n".join(problems))
+    assert settings is not None and cases is not None and needed is not None
     if set(args.rows) == set(ROW_RUNS):  # the full report: §17.4 also compares the bf16 variants
         needed |= {f"{kind}/bf16" for kind in ("reshard", "recompute")}
     return settings, cases, needed

@@ -165,3 +165,10 @@ def test_a_usage_error_is_its_message_and_a_pointer_to_help(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err == ["lp-lightning st: error: unrecognized arguments: --bogus 1",
                    "lp-lightning st --help lists every option."]
+
+
+def test_every_bad_option_is_reported_at_once(capsys, tmp_path):
+    message = _usage_error(capsys, "--out", str(tmp_path / "st"), "--rows", "[]", "--skip", "[nope]",
+                           "--accumulation", "1", "--variant_steps", "0")
+    for words in ("--rows is empty", "--skip ['nope']: unknown part", "accumulation=1", "--variant_steps 0"):
+        assert words in message, words
