@@ -435,8 +435,7 @@ class RunSummaryCallback(Callback):
 
     def _low_precision_sections(self, trainer: pl.Trainer) -> dict[str, Any]:
         plugin = lp_plugin(trainer)
-        policy = plugin.policy if plugin is not None else None
-        if plugin is None or policy is None or not policy.enabled:  # bf16: no low-precision weight, GEMM, refresh or gather
+        if plugin is None or not plugin.policy.enabled:  # bf16: no low-precision weight, GEMM, refresh or gather
             wire = self._wire.summary() if self._wire is not None else None
             if wire is not None:
                 wire = {k: wire[k] for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes",
@@ -468,7 +467,7 @@ class RunSummaryCallback(Callback):
             "resume": refreshes.get("resume", 0),
         }
         return {
-            "low_precision": policy.as_dict(),
+            "low_precision": plugin.policy.as_dict(),
             "replacement": report.as_dict() if report is not None else None,
             "sharding": _sharding(trainer),
             "kernels": kernels,
