@@ -19,6 +19,13 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _hccl_deterministic(monkeypatch):
+    """A deterministic fit on the (fake) npu accelerator sets ``HCCL_DETERMINISTIC`` in this process
+    (lp_lightning/lightning/hccl.py): each test starts without it and leaves the environment as it was."""
+    monkeypatch.delenv("HCCL_DETERMINISTIC", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _codec_kernels(request):
     """Eager codec kernels unless a test is marked ``compiled``.
 

@@ -88,6 +88,7 @@ from lp_lightning.fsdp.parallelize import (
 )
 from lp_lightning.fsdp.optimizer import check_optimizer
 from lp_lightning.lightning.accelerator import NPUFabricAccelerator, register_npu_accelerator
+from lp_lightning.lightning.hccl import HcclDeterminism, apply_hccl_determinism
 from lp_lightning.lightning.precision import TRAINER_PLUGIN_STATE_KEYS, FSDP2PrecisionPlugin
 from lp_lightning.models.adapter import adapter_for
 from lp_lightning.observers import notify_collective, stage
@@ -192,6 +193,8 @@ class _FSDP2Common:
     resume_fallback: bool
     parallelization: ParallelizationRecord | None
     """What the last setup did (``None`` before setup)."""
+    hccl_determinism: HcclDeterminism | None
+    """What ``setup_environment`` did about ``HCCL_DETERMINISTIC`` (``None`` off the npu accelerator)."""
 
     def _init_fsdp2(
         self, fsdp_config: FSDP2Config | None, activation_checkpoint: ActivationCheckpointMode | None,
@@ -209,6 +212,7 @@ class _FSDP2Common:
         self.loaded_checkpoint: str | None = None
         """The checkpoint folder the last ``load_checkpoint`` restored (after any fallback)."""
         self.parallelization = None
+        self.hccl_determinism = None
         register_npu_accelerator()  # before the Trainer/Fabric resolves accelerator="npu" (late torch_npu)
 
     @classmethod
@@ -296,14 +300,23 @@ class _FSDP2Common:
             rank_zero_info(f"{who}: loaded {str(loaded)!r} instead of the damaged {str(path)!r}.")
         return metadata
 
+    def _on_npu_accelerator(self) -> bool:
+        """The npu accelerator, also when a test maps its devices to CPU memory."""
+        return isinstance(self.accelerator, NPUFabricAccelerator)  # type: ignore[attr-defined]
+
     def _startup_gate(self) -> None:
         """The design spec §15 startup gate (hardware, torch_npu, ops; ``lp_lightning.ops.gate``), once,
         before the process group and the model exist. The npu accelerator counts as ``npu`` also when
         a test maps its devices to CPU memory."""
-        npu = isinstance(self.accelerator, NPUFabricAccelerator)  # type: ignore[attr-defined]
         plugin = self.low_precision_plugin  # type: ignore[attr-defined]
         with stage("startup_gate"):
-            plugin.startup_gate("npu" if npu else self.root_device.type)  # type: ignore[attr-defined]
+            plugin.startup_gate("npu" if self._on_npu_accelerator() else self.root_device.type)  # type: ignore[attr-defined]
+
+    def _start_process_group(self) -> None:
+        """``HCCL_DETERMINISTIC`` for a deterministic run on the npu accelerator (``lightning.hccl``), then
+        the process group."""
+        self.hccl_determinism = apply_hccl_determinism(on_npu=self._on_npu_accelerator())
+        self._setup_distributed()  # type: ignore[attr-defined]
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or process_group_backend_for(self.root_device.type)  # type: ignore[attr-defined]
@@ -365,7 +378,7 @@ class FSDP2Strategy(_FSDP2Common, ModelParallelStrategy):
             ValueError: ``fsdp_config.dp_shard_size`` differs from the world size.
         """
         self._startup_gate()  # checks the plugin too: fails before any process group exists
-        self._setup_distributed()
+        self._start_process_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._build_dp_shard_mesh()
 
@@ -635,7 +648,7 @@ class FSDP2FabricStrategy(_FSDP2Common, FabricModelParallelStrategy):
             activation_checkpoint=self.activation_checkpoint or "off",
         )
         FabricParallelStrategy.setup_environment(self)
-        self._setup_distributed()
+        self._start_process_group()
         self._build_dp_shard_mesh()
 
     def _parallelize(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:

@@ -71,9 +71,11 @@ class RunSummary:
         '(`"lp-lightning default"`: `fit` on CPU set 1 thread per process because `OMP_NUM_THREADS` was unset, '
         "docs/performance.md) and `cpu_count`."
     )
-    determinism: dict[str, bool] = _key(
-        "`algorithms` (`torch.use_deterministic_algorithms`) and `fill_uninitialized_memory` (`lp-lightning fit` "
-        "turns the NaN fill off: docs/performance.md)."
+    determinism: dict[str, Any] = _key(
+        "`algorithms` (`torch.use_deterministic_algorithms`), `fill_uninitialized_memory` (`lp-lightning fit` "
+        "turns the NaN fill off: docs/performance.md) and `hccl` (`null` off the npu accelerator; else "
+        '`requested`, `variable` `"HCCL_DETERMINISTIC"`, `value` the process group started with, `set_by` '
+        '`"lp-lightning"` / `"user"` / `"unset"`, `deterministic`: docs/hccl.md).'
     )
     compile: dict[str, int | None] = _key(
         "Rank 0's `compiled_graphs` (torch.compile graphs built during the run: the codec kernels, once per input "

@@ -75,10 +75,13 @@ def _compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _determinism() -> dict[str, bool]:
+def _determinism(trainer: pl.Trainer) -> dict[str, Any]:
+    strategy = trainer.strategy
+    hccl = strategy.hccl_determinism if isinstance(strategy, FSDP2Strategy) else None
     return {
         "algorithms": torch.are_deterministic_algorithms_enabled(),
         "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),
+        "hccl": None if hccl is None else hccl.as_dict(),
     }
 
 
@@ -378,7 +381,7 @@ class RunSummaryCallback(Callback):
             "step_time_s_steady_median": steady,
             "warmup_steps_excluded": warmup,
             "threads": _threads(),
-            "determinism": _determinism(),
+            "determinism": _determinism(trainer),
             "compile": {
                 "compiled_graphs": _compiled_graphs() - self._graphs_at_start,
                 "recompiles_after_first_step": (

@@ -257,6 +257,9 @@ def test_trainer_fits_on_the_npu_accelerator(fake_npu_on_cpu, token_cache_dir, t
     assert isinstance(trainer.accelerator, NPUAccelerator) and isinstance(trainer.strategy, FSDP2Strategy)
     assert trainer.strategy.root_device == CPU0 and trainer.strategy._process_group_backend == "gloo"
     assert summary["steps"] == 2
+    # fit_tiny is deterministic: the strategy set HCCL_DETERMINISTIC before the process group.
+    assert summary["determinism"]["hccl"] == {"requested": True, "variable": "HCCL_DETERMINISTIC", "value": "true",
+                                              "set_by": "lp-lightning", "deterministic": True}
     assert [c.args["args"] for c in device_calls(fake, "set_device")] == [(CPU0,)]
     assert len(device_calls(fake, "memory_stats")) == 4  # DeviceStatsMonitor: start and end of 2 batches
     assert len(device_calls(fake, "empty_cache")) == 1  # teardown
