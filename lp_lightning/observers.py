@@ -16,6 +16,12 @@ The stage events (:func:`add_stage_observer`) live here because two layers emit 
 (``plan_compile``, ``lp_lightning.models.replacement``); the
 acceptance harness judges the design spec §15 stage of an illegal run from them.
 
+The non-training ranges (:func:`non_training`, :func:`add_non_training_observer`) live here because
+several layers open them: the checkpoint save (``lp_lightning.checkpoint.dcp`` and the Trainer's
+``PeriodicCheckpoint``), the acceptance harness's state digests and the probes' sampled-step work. The
+step timers of the run summary and the probes subtract them from a step's wall time
+(``lp_lightning.telemetry.step_clock``), whatever order the callbacks run in.
+
 Pure Python (no torch), so every layer may use it.
 """
 
@@ -29,11 +35,14 @@ from typing import Any, Generic, TypeVar
 
 __all__ = [
     "CollectiveEvent",
+    "NonTrainingEvent",
     "ObserverHandle",
     "Observers",
     "StageEvent",
     "add_collective_observer",
+    "add_non_training_observer",
     "add_stage_observer",
+    "non_training",
     "notify_collective",
     "stage",
 ]
@@ -185,3 +194,51 @@ def notify_collective(kind: str, tensor: Any, site: str) -> None:
         _COLLECTIVES.notify(
             CollectiveEvent(kind, str(tensor.dtype).removeprefix("torch."), tensor.numel() * tensor.element_size(), site)
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Non-training work
+
+
+@dataclass(frozen=True)
+class NonTrainingEvent:
+    """Work that is not training began or ended on this thread (:func:`non_training`).
+
+    Attributes:
+        kind: What the work is: ``"checkpoint_save"`` (a DCP save, its state gathering and barrier),
+            ``"state_digest"`` (the acceptance harness's SHA-1 snapshot of the state),
+            ``"probe_sample"`` (a probe's hashing or reading of tensors on a sampled step).
+        phase: ``"begin"`` or ``"end"`` (an ``"end"`` follows every ``"begin"``, also when the work raises).
+    """
+
+    kind: str
+    phase: str
+
+
+_NON_TRAINING: Observers[NonTrainingEvent] = Observers("add_non_training_observer")
+
+
+def add_non_training_observer(observer: Callable[[NonTrainingEvent], None]) -> ObserverHandle:
+    """Register ``observer(NonTrainingEvent)`` for the begin and end of every :func:`non_training` range.
+
+    Raises:
+        TypeError: ``observer`` is not callable.
+    """
+    return _NON_TRAINING.add(observer)
+
+
+@contextmanager
+def non_training(kind: str) -> Iterator[None]:
+    """Marks the body as work that is not training (a save, a digest, a probe's sampling).
+
+    Emits ``NonTrainingEvent(kind, "begin")`` before the body and ``NonTrainingEvent(kind, "end")``
+    after it, also when it raises (the error propagates). Ranges may nest; the step timers count the
+    outermost one. Costs one truth test per edge when nobody observes.
+    """
+    if _NON_TRAINING:
+        _NON_TRAINING.notify(NonTrainingEvent(kind, "begin"))
+    try:
+        yield
+    finally:
+        if _NON_TRAINING:
+            _NON_TRAINING.notify(NonTrainingEvent(kind, "end"))

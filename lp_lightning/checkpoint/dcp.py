@@ -92,6 +92,7 @@ from lp_lightning.checkpoint.space import (
     free_bytes,
     out_of_space,
 )
+from lp_lightning.observers import non_training
 
 __all__ = [
     "DAMAGED_CHECKPOINT_FIX",
@@ -221,8 +222,25 @@ def save_dcp_checkpoint(
             nothing has been written.
         CheckpointSpaceError: The disk filled up while writing (on any rank; ENOSPC, or torch's "unexpected
             pos" with no room left); the staging folder has been removed, earlier checkpoints are untouched.
+
+    The save is a ``non_training("checkpoint_save")`` range (:mod:`lp_lightning.observers`): the step
+    timers leave it out of a step's training time.
     """
-    path = Path(path)
+    with non_training("checkpoint_save"):
+        return _write_checkpoint(Path(path), model_state=model_state, optimizer_states=optimizer_states,
+                                 metadata=metadata, rank=rank, allow_nonfinite=allow_nonfinite)
+
+
+def _write_checkpoint(
+    path: Path,
+    *,
+    model_state: Mapping[str, Any],
+    optimizer_states: Mapping[str, Mapping[str, Any]],
+    metadata: Mapping[str, Any],
+    rank: int,
+    allow_nonfinite: bool,
+) -> Path:
+    """The body of :func:`save_dcp_checkpoint` (see there)."""
     if path.is_file():
         raise FileExistsError(f"checkpoint path {str(path)!r} is a file; DCP checkpoints are folders.")
     _check_key_collisions(model_state, list(optimizer_states))

@@ -30,6 +30,7 @@ from lp_lightning.lightning.preemption import (
     outlive_launcher,
     signal_name,
 )
+from lp_lightning.observers import non_training
 
 __all__ = ["PeriodicCheckpoint", "Preemption", "checkpoint_dirname"]
 
@@ -77,7 +78,8 @@ class PeriodicCheckpoint(Checkpoint):
 
     def _save(self, trainer: pl.Trainer) -> None:
         path = self._dir(trainer) / checkpoint_dirname(trainer.global_step)
-        trainer.save_checkpoint(path, weights_only=False)
+        with non_training("checkpoint_save"):  # the state gathering and barrier too: no step time (observers)
+            trainer.save_checkpoint(path, weights_only=False)
         self._last_saved_step = trainer.global_step
         self.saved.append(str(path))
 

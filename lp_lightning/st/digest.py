@@ -17,7 +17,10 @@ from the FP32 master, not from a BF16 copy). The file is ``<out_dir>/digest_rank
          "optimizer": {fqn: {state key: {"dtype", "sha1"}}}}]}
 
 FQNs are the LightningModule's parameter names (``model.layers.0...``). Hashing copies each local
-shard to host memory once per snapshot; it is for acceptance runs, not for production.
+shard to host memory once per snapshot; it is for acceptance runs, not for production. Each snapshot
+is a ``non_training("state_digest")`` range (:mod:`lp_lightning.observers`) ending in a barrier, so the
+step timers of ``run_summary.json`` leave it out of the step's training time (Q3-11) in whatever
+order the callbacks run.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from typing_extensions import override
+
+from lp_lightning.observers import non_training
 
 __all__ = ["StateDigestProbe", "tensor_sha1"]
 
@@ -95,11 +100,21 @@ class StateDigestProbe(Callback):
         snapshot = state_snapshot(pl_module, list(trainer.optimizers))
         self.snapshots.append({"when": when, "global_step": trainer.global_step, **snapshot})
 
+    def _timed_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, when: str) -> None:
+        """:meth:`_snapshot` as a ``non_training("state_digest")`` range that ends when every rank is done.
+
+        The barrier keeps a rank that hashes faster from waiting for its peers inside the next step's
+        first collective: that wait is the digest's, and lands in the range the step timers subtract.
+        """
+        with non_training("state_digest"):
+            self._snapshot(trainer, pl_module, when)
+            trainer.strategy.barrier("StateDigestProbe")
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.snapshots = []
         self._last_step = trainer.global_step
-        self._snapshot(trainer, pl_module, "train_start")
+        self._timed_snapshot(trainer, pl_module, "train_start")
 
     @override
     def on_train_batch_end(
@@ -109,7 +124,7 @@ class StateDigestProbe(Callback):
             return  # inside gradient accumulation
         self._last_step = trainer.global_step
         if trainer.global_step in self.steps:
-            self._snapshot(trainer, pl_module, "after_step")
+            self._timed_snapshot(trainer, pl_module, "after_step")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

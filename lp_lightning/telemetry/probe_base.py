@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +24,18 @@ from typing_extensions import override
 
 from lp_lightning.lightning.precision import FSDP2PrecisionPlugin
 from lp_lightning.telemetry.probes import low_precision_recorders
+from lp_lightning.telemetry.step_clock import StepClock
 
 __all__ = ["ProbeCallback", "StepInfo"]
 
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What the base class knows about an optimizer step when it closes (passed to ``_on_step_end``)."""
+    """What the base class knows about an optimizer step when it closes (passed to ``_on_step_end``).
+
+    ``step_time_s`` is the training time: ``step_wall_time_s`` less the ``non_training_s`` inside the
+    step (:class:`~lp_lightning.telemetry.step_clock.StepClock`).
+    """
 
     step: int
     loss: float | None
@@ -40,6 +44,8 @@ class StepInfo:
     micro_batches: int
     step_time_s: float
     skipped: bool | None
+    step_wall_time_s: float = 0.0
+    non_training_s: float = 0.0
 
 
 def _float(value: Any) -> float | None:
@@ -88,6 +94,7 @@ class ProbeCallback(Callback):
         self._step: int | None = None
         self._sampled = self._paused = False
         self._handles: list[Any] = []
+        self._clock = StepClock()
 
     # -- state shared by the probes ------------------------------------------------------------
     @property
@@ -119,7 +126,8 @@ class ProbeCallback(Callback):
         self._start_global_step = global_step
         self._steps, self._sampled_steps = 0, []
         self._step, self._sampled, self._paused = None, False, False
-        self._micro, self._local_tokens, self._t0, self._skipped_before = 0, 0, 0.0, 0
+        self._micro, self._local_tokens, self._skipped_before = 0, 0, 0
+        self._clock = StepClock(device).start()
         self._on_start()
 
     def _open_step(self, done: int) -> None:
@@ -130,15 +138,16 @@ class ProbeCallback(Callback):
         self._sampled = number == self._first_step or number % self.sample_every == 0
         self._micro, self._local_tokens = 0, 0
         self._skipped_before = self._plugin.optimizer_steps_skipped if self._plugin is not None else None
-        self._t0 = time.perf_counter()
+        self._clock.open()
         self._on_step_start()
 
     def _close_step(self, *, loss: Any, grad_norm: Any, tokens: int | None) -> None:
         assert self._step is not None
-        elapsed = time.perf_counter() - self._t0
+        timed = self._clock.close()
         skipped_now = self._plugin.optimizer_steps_skipped if self._plugin is not None else None
         skipped = None if skipped_now is None or self._skipped_before is None else skipped_now > self._skipped_before
-        info = StepInfo(self._step, _float(loss), _float(grad_norm), tokens, self._micro, elapsed, skipped)
+        info = StepInfo(self._step, _float(loss), _float(grad_norm), tokens, self._micro, timed.training_s, skipped,
+                        step_wall_time_s=timed.wall_s, non_training_s=timed.non_training_s)
         scalars = self._on_step_end(info)
         if self._sampled:
             self._sampled_steps.append(self._step)
@@ -162,6 +171,7 @@ class ProbeCallback(Callback):
         if self._dir is not None:
             self._on_stop()
         self._release()
+        self._clock.stop()
 
     def _finish(self) -> None:
         if self._dir is None:
@@ -171,6 +181,7 @@ class ProbeCallback(Callback):
             )
         self._on_stop()
         self._release()
+        self._clock.stop()
         self._step = None
         payload = {
             "kind": self.kind,

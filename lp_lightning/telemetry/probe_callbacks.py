@@ -75,10 +75,12 @@ probe (kind)                 what it adds
                              (MXFP8 E8M0) with ``scale_dtype``, and the summary ``hif8``
                              ``{"<role>": {"events", "format_max", "all_match",
                              "all_finite_positive", "amax_max", "scale_min", "scale_max"}}``
-:class:`StepRecordProbe`     ``records`` ``[{"step", "loss", "grad_norm", "step_time_s", "tokens",
-(``steps``)                  "tokens_per_s", "peak_memory_bytes", "peak_memory_source",
-                             "micro_batches", "skipped"}]``, ``threads``, ``load_average``
-                             ``{"start", "end"}``
+:class:`StepRecordProbe`     ``records`` ``[{"step", "loss", "grad_norm", "step_time_s",
+(``steps``)                  "step_wall_time_s", "non_training_s", "tokens", "tokens_per_s",
+                             "peak_memory_bytes", "peak_memory_source", "micro_batches",
+                             "skipped"}]`` (``step_time_s``: the training time, the wall time less
+                             the non-training work inside the step: ``StepClock``), ``threads``,
+                             ``load_average`` ``{"start", "end"}``
 :class:`ProfilerProbe`       see :mod:`lp_lightning.telemetry.profile_probe` (``window``,
 (``profile``)                ``wall_s``, ``categories_s``, ``shares``, ``top_ops``)
 :class:`TensorMemoryProbe`   see :mod:`lp_lightning.telemetry.memory_probe` (``peak_bytes``: peak
@@ -105,6 +107,7 @@ from typing import Any
 
 import torch
 
+from lp_lightning.observers import non_training
 from lp_lightning.telemetry.summary import _load_average, _peak_memory_bytes, _threads
 from lp_lightning.telemetry.memory_probe import TensorMemoryProbe
 from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
@@ -278,6 +281,10 @@ class GatherTraceProbe(ProbeCallback):
             self._pre += 1
         if not self._sampled:
             return
+        with non_training("probe_sample"):  # hashes and copies to host: no step time (observers)
+            self._record(event, post)
+
+    def _record(self, event: Any, post: bool) -> None:
         tensors = list(zip(event.names, event.tensors))
         scales = [t for _, t in tensors if t.dtype == torch.float32 and t.numel() <= 256]
         self._events.append({
@@ -319,7 +326,7 @@ class StepRecordProbe(ProbeCallback):
         tokens_per_s = info.tokens / info.step_time_s if info.tokens and info.step_time_s > 0 else None
         self._records.append({
             "step": info.step, "loss": info.loss, "grad_norm": info.grad_norm, "step_time_s": info.step_time_s,
-            "tokens": info.tokens, "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak,
+            "step_wall_time_s": info.step_wall_time_s, "non_training_s": info.non_training_s, "tokens": info.tokens, "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak,
             "peak_memory_source": source, "micro_batches": info.micro_batches, "skipped": info.skipped,
         })  # fmt: skip
         return {"loss": info.loss, "grad_norm": info.grad_norm, "step_time_s": info.step_time_s,

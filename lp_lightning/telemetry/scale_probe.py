@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lp_lightning.observers import non_training
 from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
 from lp_lightning.telemetry.probes import _dtype_name
 
@@ -46,6 +47,10 @@ class ScaleStatsProbe(ProbeCallback):
     def _observe(self, event: Any) -> None:
         if not self.in_step:
             return
+        with non_training("probe_sample"):  # reads amax and scales back: no step time (observers)
+            self._observe_sampled(event)
+
+    def _observe_sampled(self, event: Any) -> None:
         role = event.role or "unknown"
         seen: set[tuple[int, tuple[int, ...]]] = set()
         for operand in event.operands:

@@ -54,9 +54,10 @@ class RunSummary:
         "tokens/s",
     )
     step_time_s_median: float | None = _key(
-        "Median wall time of one optimizer step: from the first micro-batch's `on_train_batch_start` to the last "
-        "micro-batch's `on_train_batch_end` (forward, backward, reduce-scatter, optimizer; not validation or "
-        "checkpointing).",
+        "Median training time of one optimizer step (`step_times_s`): the wall time from the first micro-batch's "
+        "`on_train_batch_start` to the last micro-batch's `on_train_batch_end` (forward, backward, reduce-scatter, "
+        "optimizer, refresh) less the non-training work inside it (checkpoint saves, state digests, probe sampling: "
+        "`non_training_s`), whatever the callback order; never validation.",
         "s",
     )
     step_time_s_steady_median: float | None = _key(
@@ -134,7 +135,29 @@ class RunSummary:
     first_step: int = _key("Global step index of the first step of this call (0 unless resumed).", "optimizer steps")
     losses: list[float] = _key("Per-step training loss of this call.", "nats/token")
     grad_norms: list[float | None] = _key("Per-step pre-clip gradient norm of this call (L2 over all ranks).")
-    step_times_s: list[float] = _key("Per-step wall times.", "s")
+    step_times_s: list[float] = _key(
+        "Per-step training times: `step_wall_times_s` less `non_training_s` (the figure every steady statistic and "
+        "the acceptance's Q3-11 use; `lp_lightning.telemetry.step_clock`).",
+        "s",
+    )
+    step_wall_times_s: list[float] = _key(
+        "Per-step wall times of the same windows, non-training work included (on CUDA/NPU the device is "
+        "synchronised at the window's edges).",
+        "s",
+    )
+    non_training_s: list[float] = _key(
+        "Per-step seconds of non-training work inside the window (`lp_lightning.observers.non_training` ranges: "
+        "`checkpoint_save`, `state_digest`, `probe_sample`; the device synchronised at each range's edges), "
+        "subtracted from `step_times_s`.",
+        "s",
+    )
+    non_training: dict[str, Any] = _key(
+        '`timing` (`"subtracted"`: non-training work inside a step is measured and subtracted, work between steps '
+        "is outside every window), `inside_steps_s` / `outside_steps_s` (`{kind: seconds}` of this rank's "
+        "non-training ranges inside / outside the step windows) and `steps_with_non_training` (the step numbers "
+        "whose window held some).",
+        "s",
+    )
     nonfinite: dict[str, Any] | None = _key(
         'The non-finite guard (docs/architecture.md "The non-finite guard"): `max_consecutive_skips` (the limit; '
         "0 = none), `skipped_steps` (steps of this call skipped for a non-finite gradient norm, every precision), "

@@ -14,7 +14,6 @@ import os
 import resource
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from lp_lightning.telemetry.loss_plot import finished_line, loss_plot_path, writ
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
 from lp_lightning.telemetry.schema import RunSummary
+from lp_lightning.telemetry.step_clock import StepClock
 from lp_lightning.versions import software_versions
 
 __all__ = ["LOSS_MEAN_STEPS", "WARMUP_STEPS", "RunSummaryCallback"]
@@ -199,6 +199,7 @@ class RunSummaryCallback(Callback):
         self.summary: dict[str, Any] | None = None
         self._finished_line: str | None = None
         self._gemms = self._refresh = self._wire = None
+        self._clock = StepClock()
         self._reset(0)
 
     def _stop_recorders(self) -> None:
@@ -222,10 +223,12 @@ class RunSummaryCallback(Callback):
         self._signal_stop: SIGTERMException | None = None
         self._first_step = first_step
         self._last_step = first_step
-        self._t0: float | None = None
+        self._clock.stop()
         self._losses: list[float] = []
         self._grad_norms: list[float | None] = []
-        self._step_times: list[float] = []
+        self._step_times: list[float] = []  # training time: wall time less the non-training ranges inside it
+        self._wall_times: list[float] = []
+        self._non_training: list[float] = []
         self._local_tokens = 0
         self._peak: tuple[list[int], str] = ([], "ru_maxrss")
         self._tensor_memory: dict[str, Any] = {}
@@ -236,6 +239,7 @@ class RunSummaryCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset(trainer.global_step)
+        self._clock = StepClock(trainer.strategy.root_device).start()
         self._load_start = _load_average()
         plugin = lp_plugin(trainer)
         self._skipped_at_start = plugin.optimizer_steps_skipped if plugin is not None else 0
@@ -275,14 +279,15 @@ class RunSummaryCallback(Callback):
             self.on_fit_end(trainer, pl_module)
             self._print_finished_line()  # Lightning calls no teardown hook after an exception
         self._stop_recorders()
+        self._clock.stop()
         self._gemms = self._refresh = self._wire = None
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._t0 is None:
-            self._t0 = time.perf_counter()
+        if not self._clock.is_open:
+            self._clock.open()
 
     @override
     def on_train_batch_end(
@@ -291,9 +296,8 @@ class RunSummaryCallback(Callback):
         self._local_tokens += int(batch["input_ids"].numel())
         if trainer.global_step == self._last_step:
             return  # gradient accumulation: the optimizer step is not complete yet
-        assert self._t0 is not None
-        elapsed = time.perf_counter() - self._t0
-        self._t0 = None
+        timed = self._clock.close()
+        elapsed = timed.training_s
         self._last_step = trainer.global_step
         loss = getattr(pl_module, "last_step_loss", None)
         if loss is None:
@@ -305,6 +309,8 @@ class RunSummaryCallback(Callback):
         grad_norm = getattr(pl_module, "last_grad_norm", None)
         self._grad_norms.append(None if grad_norm is None else float(grad_norm))
         self._step_times.append(elapsed)
+        self._wall_times.append(timed.wall_s)
+        self._non_training.append(timed.non_training_s)
         if len(self._step_times) == 1:
             self._graphs_after_first_step = _compiled_graphs()
         if self._refresh is not None:
@@ -312,7 +318,7 @@ class RunSummaryCallback(Callback):
         if self._wire is not None:
             self._wire.close_step()
         tokens_per_step = self._local_tokens * trainer.world_size / len(self._step_times)
-        pl_module.log("tokens_per_s", tokens_per_step / elapsed, on_step=True, on_epoch=False)
+        pl_module.log("tokens_per_s", tokens_per_step / elapsed if elapsed > 0 else 0.0, on_step=True, on_epoch=False)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -401,6 +407,15 @@ class RunSummaryCallback(Callback):
             "losses": list(self._losses),
             "grad_norms": list(self._grad_norms),
             "step_times_s": list(self._step_times),
+            "step_wall_times_s": list(self._wall_times),
+            "non_training_s": list(self._non_training),
+            "non_training": {
+                "timing": "subtracted",
+                **self._clock.totals(),
+                "steps_with_non_training": [
+                    self._first_step + i + 1 for i, seconds in enumerate(self._non_training) if seconds > 0
+                ],
+            },
             "nonfinite": self._nonfinite(trainer),
             "stop_signal": self._stop_signal(trainer),
             **self._low_precision_sections(trainer),
@@ -480,6 +495,7 @@ class RunSummaryCallback(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._clock.stop()  # after the checkpoint callbacks' on_train_end: their last save is in the totals
         self.summary = self.build_summary(trainer)
         path = Path(self.path) if self.path is not None else Path(trainer.default_root_dir) / "run_summary.json"
         _write_wire_trace(trainer, self._wire, path)
