@@ -18,7 +18,9 @@ the selected rows read, ``--required_steps`` >= 20 and ``--steady_steps`` >= ``-
 (design spec §17.2/§17.4), unless ``--reduced true`` marks a smoke run (the report says so);
 ``--devices`` >= 1 (with 1 process the FSDP rows Q3-05…Q3-08 are ``not-applicable`` unless a check
 fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` made with the same
-``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``).
+``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``); a YAML
+with ``backend: emulated`` on the npu accelerator needs ``--allow_emulated true``
+(:mod:`lp_lightning.st.target`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, pl
 from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
 from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
+from lp_lightning.st.target import emulated_on_npu_error, run_target
 from lp_lightning.versions import software_versions
 
 __all__ = ["build_parser", "st_main"]
@@ -98,6 +101,9 @@ def build_parser() -> ArgumentParser:
                         help="A smoke run: allows --required_steps < 20, --steady_steps < --required_steps and a "
                              "--cases subset; the report is marked reduced (not an acceptance).")
     parser.add_argument("--run_timeout_s", type=float, default=3600.0, help="A run is killed after this long.")
+    parser.add_argument("--allow_emulated", type=bool, default=False,
+                        help="Run even though the YAML puts backend: emulated on the npu accelerator (stops otherwise: "
+                             "the emulation cannot judge the NPU, docs/acceptance.md).")
     return parser
 
 
@@ -115,6 +121,7 @@ def _user_settings(
     devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
     devices = max(int(devices), 2) if str(devices).isdigit() else 2
     meta = {"config": config or "embedded default (dsv3-tiny)"}
+    meta.update(run_target(parsed))  # accelerator, backend, emulated_on_npu (checked by _st before any run)
     return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta
 
 
@@ -293,6 +300,8 @@ def _st(
     except ValueError as err:
         parser.error(str(err))
     reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
+    if error := emulated_on_npu_error(meta, args.allow_emulated):
+        parser.error(error)
     if args.devices is None:
         settings = dataclasses.replace(settings, devices=devices)
     config = Path(args.config).resolve() if args.config else None

@@ -36,6 +36,7 @@ from lp_lightning.st.rows_fsdp import (
     recompute_refresh_row,
 )
 from lp_lightning.st.runner import RunResult
+from lp_lightning.st.timing import steady_timing
 from lp_lightning.st.verdict import (
     ROLES,
     ROW_TITLES,
@@ -287,7 +288,9 @@ def steady_performance(run: RunResult, settings: STSettings) -> dict[str, Any] |
     """Steady tokens/s and mean step time of a main run (the first ``warmup_steps`` left out).
 
     Same statistics for every case (design spec §17.4): tokens/s = tokens of the steady steps / their
-    summed wall time; step time = mean (median also reported).
+    summed training time; step time = mean (median also reported). The training time is the run
+    summary's ``step_times_s``: each step's wall time less the non-training work inside it (digests,
+    snapshots, checkpoint saves: :mod:`lp_lightning.telemetry.step_clock`), both shown beside it.
     """
     summary = run.summary or {}
     times = summary.get("step_times_s", [])[settings.warmup_steps:]
@@ -296,6 +299,7 @@ def steady_performance(run: RunResult, settings: STSettings) -> dict[str, Any] |
         return None
     tokens_per_step = summary.get("tokens", 0) / steps
     return {
+        **steady_timing(summary, settings.warmup_steps),
         "steady_steps": len(times),
         "warmup_steps_excluded": settings.warmup_steps,
         "tokens_per_step": tokens_per_step,

@@ -172,3 +172,39 @@ def test_every_bad_option_is_reported_at_once(capsys, tmp_path):
                            "--accumulation", "1", "--variant_steps", "0")
     for words in ("--rows is empty", "--skip ['nope']: unknown part", "accumulation=1", "--variant_steps 0"):
         assert words in message, words
+
+
+def _yaml_on_npu(backend: str):
+    """The fit config parser with the YAML's accelerator set to npu and its backend to ``backend`` (this host has
+    no NPU; ``st`` reads both from the parsed YAML and nothing runs before the check)."""
+    from lp_lightning.cli.fit import parse_config
+
+    def parse(argv):
+        parsed = parse_config(argv)
+        parsed.trainer.accelerator, parsed.backend = "npu", backend
+        return parsed
+
+    return parse
+
+
+def test_the_emulated_backend_on_the_npu_stops_st_unless_allowed(capsys, tmp_path):
+    from lp_lightning.st.main import st_main
+
+    out = tmp_path / "st"
+    argv = ["--out", str(out), "--rows", "[Q3-10]", "--reduced", "true", *QUICK]
+    with pytest.raises(SystemExit) as exit_info:
+        st_main(argv, parse_config=_yaml_on_npu("emulated"), fit_main=main)
+    assert exit_info.value.code == 2
+    message = " ".join(capsys.readouterr().err.split())
+    assert "backend: emulated) on the npu accelerator" in message and "--allow_emulated true" in message
+    assert not out.exists()  # stopped before any run
+    # Allowed on purpose: it goes on, and the report's meta says what ran where.
+    code = st_main([*argv, "--allow_emulated", "true"], parse_config=_yaml_on_npu("emulated"), fit_main=main)
+    assert code in (0, 1)  # Q3-10 fails: its part was skipped
+    report = json.loads((out / "report.json").read_text())
+    assert (report["accelerator"], report["backend"], report["emulated_on_npu"]) == ("npu", "emulated", True)
+    assert "- emulated_on_npu: `true`" in (out / "report.md").read_text()
+    # backend auto on the npu accelerator is the npu backend: no stop.
+    code = st_main(["--out", str(tmp_path / "auto"), "--rows", "[Q3-10]", "--reduced", "true", *QUICK],
+                   parse_config=_yaml_on_npu("auto"), fit_main=main)
+    assert code in (0, 1) and json.loads((tmp_path / "auto" / "report.json").read_text())["emulated_on_npu"] is False
