@@ -24,6 +24,7 @@ from typing import Any
 from lp_lightning.st.cases import CASES, STSettings, build_runs
 from lp_lightning.st.rows import Row, steady_performance, unit_roundoff
 from lp_lightning.st.runner import RunResult
+from lp_lightning.st.timing import shares_source, timing_lines
 
 __all__ = ["performance_section", "short_run_checks", "write_per_step_csv", "write_report"]
 
@@ -138,6 +139,7 @@ def _time_shares(run: RunResult | None) -> dict[str, Any] | None:
         "window": ranks[0].get("window"),
         "wall_s": [r.get("wall_s") for r in ranks],
         "from": run.spec.name,
+        **shares_source(ranks),  # device kernel time or host ranges
     }
 
 
@@ -384,6 +386,8 @@ def _performance_markdown(perf: dict[str, Any]) -> list[str]:
     line("steady tokens/s", [_num(s.get("tokens_per_s"), digits=4) for s in steady])
     line("steady step time, mean / median (s)",
          [f"{_num(s.get('step_time_s_mean'))} / {_num(s.get('step_time_s_median'))}" for s in steady])
+    for label, values in timing_lines(steady, [perf[c].get("time_shares") or {} for c in cases]):
+        line(label, values)
     line("throughput_ratio / step_time_ratio vs bf16",
          [f"{_num(s.get('throughput_ratio'))} / {_num(s.get('step_time_ratio'))}" if "step_time_ratio" in s else "—"
           for s in steady])

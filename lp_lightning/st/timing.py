@@ -37,3 +37,42 @@ def steady_timing(summary: dict[str, Any], warmup_steps: int) -> dict[str, Any]:
         "non_training_inside_s": record.get("inside_steps_s", {}),
         "non_training_outside_s": record.get("outside_steps_s", {}),
     }
+
+
+def shares_source(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the profiled time shares of a run come from (``profile_rank<r>.json`` of every rank).
+
+    Returns:
+        ``source``: ``"device"`` (kernel time) or ``"host"`` (host ranges: launches on an asynchronous
+        device, the compute on the CPU), ``"mixed"`` when the ranks differ; ``source_reason``: rank 0's
+        reason (:mod:`lp_lightning.telemetry.profile_probe`, "Host or device"). A file written before the
+        probe recorded its source held host ranges.
+    """
+    sources = {r.get("source") or "host" for r in ranks}
+    reason = ranks[0].get("source_reason") if ranks else None
+    return {"source": sources.pop() if len(sources) == 1 else "mixed",
+            "source_reason": reason or "host ranges (recorded before the probe named its source)"}
+
+
+def timing_lines(steady: list[dict[str, Any]], shares: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The report's performance-table rows saying what the step times exclude and what the shares measure.
+
+    Args:
+        steady: Each case's steady figures (:func:`lp_lightning.st.rows.steady_performance`).
+        shares: Each case's time shares (with :func:`shares_source`'s keys), in the same order.
+    """
+    def seconds(value: Any) -> str:
+        return "—" if value is None else f"{value:.3g}"
+
+    def kinds(record: dict[str, float]) -> str:
+        return ", ".join(f"{kind} {value:.3g} s" for kind, value in record.items()) or "none"
+
+    return [
+        ("steady wall time, mean (s) / non-training subtracted, total (s)",
+         [f"{seconds(s.get('step_wall_time_s_mean'))} / {seconds(s.get('non_training_s_steady'))}"
+          if s.get("timing") == "subtracted" else "—" for s in steady]),
+        ("non-training work inside / outside the step windows",
+         [f"{kinds(s.get('non_training_inside_s') or {})} / {kinds(s.get('non_training_outside_s') or {})}"
+          if s.get("timing") == "subtracted" else "—" for s in steady]),
+        ("time shares measured on", [str(sh.get("source") or "—") for sh in shares]),
+    ]

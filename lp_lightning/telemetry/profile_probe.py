@@ -33,8 +33,20 @@ File keys: ``start_step``, ``window`` ``[first, last]`` (step numbers; ``null`` 
 profiled steps' wall times, from the step marks), ``step_times_s``, ``categories_s`` and
 ``shares`` (keys ``quantize``, ``low_precision_mm``, ``high_precision_mm``, ``all_gather``,
 ``reduce_scatter``, ``other``), ``top_ops`` ``[[name, cpu_total_s], ...]`` (20, inclusive host
-time, all profiled events), ``activities``. On a CUDA device the device activity is recorded too,
-but the categories are host-side ranges (an asynchronous kernel's device time is not in them).
+time, all profiled events), ``activities``, ``source``, ``source_reason``, ``device_s``,
+``host_categories_s`` and ``host_shares``.
+
+**Host or device.** On an asynchronous device (CUDA, or an NPU whose torch_npu makes its activity
+available to ``torch.profiler`` as ``PrivateUse1``: ``torch.profiler.supported_activities()``) a host
+range measures the kernel *launches*, not the kernels. When the profile holds device kernels inside
+the profiled steps, ``categories_s`` and ``shares`` are device time (``"source": "device"``,
+:func:`categorise_device`): each kernel's duration goes to the category of the outermost categorised
+range enclosing the op that launched it (a NCCL kernel launched inside ``FSDP::all_gather`` is
+all-gather time), and ``other`` is the kernel time launched outside every category; ``shares``
+divide by the kernel time of the steps (``device_s``, summed over streams, so an all-gather
+overlapping compute counts in both). Otherwise they are the host ranges above (``"source": "host"``;
+``source_reason`` says why: a CPU run, where the host time is the compute, or no device activity);
+``host_categories_s`` / ``host_shares`` always hold the host figures.
 """
 
 from __future__ import annotations
@@ -43,12 +55,16 @@ import bisect
 import sys
 from typing import Any
 
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function, supported_activities
 
 from lp_lightning.telemetry.probe_base import ProbeCallback, StepInfo
 from lp_lightning.telemetry.probes import ATEN_GEMM_OPS
 
-__all__ = ["CATEGORIES", "STEP_LABEL", "ProfilerProbe", "categorise_profile"]
+__all__ = [
+    "CATEGORIES", "STEP_LABEL", "ProfilerProbe", "categorise_device", "categorise_profile", "device_activity",
+    "time_shares",
+]
 
 STEP_LABEL = "lp_lightning::probe_step"
 """The range marking one profiled optimizer step."""
@@ -113,6 +129,91 @@ def categorise_profile(events: Any) -> tuple[dict[str, float], float, list[float
     return seconds, wall, steps
 
 
+def _step_index(marks: list[tuple[float, float]], starts: list[float], start: float) -> int | None:
+    """The step mark whose interval holds ``start`` (µs), or None."""
+    index = bisect.bisect_right(starts, start) - 1
+    return None if index < 0 or start >= marks[index][1] else index
+
+
+def categorise_device(events: Any) -> tuple[dict[str, float], float] | None:
+    """Device seconds per category of the kernels launched inside the step marks of ``events``.
+
+    ``events`` are ``torch.profiler`` ``FunctionEvent`` s with device activity: a host op's
+    ``kernels`` (``Kernel(name, device, duration_us)``, filled by the profiler from the device
+    trace through the launch's correlation id) are attributed to the outermost categorised range
+    enclosing that op (itself included), else to ``other``.
+
+    Returns:
+        ``(categories_s, device_s)``: every key of :data:`CATEGORIES`, and the kernel seconds of the
+        steps (their sum); ``None`` when no kernel was launched inside a step mark (no device activity).
+    """
+    labels = _low_precision_labels()
+    marks = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_LABEL)
+    starts = [start for start, _ in marks]
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    total = 0.0
+    for event in events:
+        kernels = getattr(event, "kernels", None)
+        if not kernels or event.device_type != DeviceType.CPU or event.name == STEP_LABEL:
+            continue
+        if _step_index(marks, starts, event.time_range.start) is None:
+            continue  # launched outside every profiled step
+        category, node = None, event
+        while node is not None and node.name != STEP_LABEL:
+            category = _category(node.name, labels) or category  # the outermost categorised range wins
+            node = node.cpu_parent
+        duration = sum(kernel.duration for kernel in kernels) / 1e6
+        seconds[category or "other"] += duration
+        total += duration
+    return (seconds, total) if total > 0 else None
+
+
+def device_activity(device_type: str) -> ProfilerActivity | None:
+    """The ``torch.profiler`` activity recording ``device_type``'s kernels, or None (the CPU, or no profiler
+    support for the device here: ``torch.profiler.supported_activities()``)."""
+    activity = {"cuda": getattr(ProfilerActivity, "CUDA", None),
+                "npu": getattr(ProfilerActivity, "PrivateUse1", None)}.get(device_type)
+    return activity if activity is not None and activity in supported_activities() else None
+
+
+def _shares(seconds: dict[str, float], total: float) -> dict[str, float]:
+    return {key: (value / total if total > 0 else 0.0) for key, value in seconds.items()}
+
+
+def time_shares(events: Any, device_type: str, device_recorded: bool) -> dict[str, Any]:
+    """The probe's figures from a finished profile (module docstring, "Host or device").
+
+    Args:
+        events: The profile's ``FunctionEvent`` s.
+        device_type: The run's device type (``"cpu"``, ``"cuda"``, ``"npu"``), for ``source_reason``.
+        device_recorded: A device activity was requested from the profiler.
+
+    Returns:
+        ``categories_s``, ``shares``, ``source`` (``"device"`` / ``"host"``), ``source_reason``,
+        ``device_s`` (kernel seconds of the steps; ``None`` for a host source), ``host_categories_s``,
+        ``host_shares``, ``wall_s`` and ``step_times_s`` (from the host step marks).
+    """
+    host, wall, step_times = categorise_profile(events)
+    host_shares = _shares(host, max(wall, sum(host.values())))
+    device = categorise_device(events)
+    if device is not None:
+        seconds, device_s = device
+        figures: dict[str, Any] = {
+            "categories_s": seconds, "shares": _shares(seconds, device_s), "source": "device",
+            "source_reason": f"{device_type} kernels recorded by the profiler's device activity", "device_s": device_s,
+        }
+    else:
+        supported = sorted(str(a).removeprefix("ProfilerActivity.") for a in supported_activities())
+        reason = ("a CPU run: the host ranges are the compute" if device_type == "cpu" else
+                  f"no {device_type} kernel recorded inside the profiled steps" if device_recorded else
+                  f"torch.profiler records no {device_type} activity here (supported: {supported}): host launch "
+                  "times only")
+        figures = {"categories_s": host, "shares": host_shares, "source": "host", "source_reason": reason,
+                   "device_s": None}
+    return {**figures, "host_categories_s": host, "host_shares": host_shares, "wall_s": wall,
+            "step_times_s": step_times}
+
+
 class ProfilerProbe(ProbeCallback):
     """``torch.profiler`` over a window of steps; time shares per category (``profile_rank<r>.json``).
 
@@ -142,8 +243,9 @@ class ProfilerProbe(ProbeCallback):
         self._window: list[int] = []
         self._complete = False
         self._activities = [ProfilerActivity.CPU]
-        if self._device.type == "cuda":
-            self._activities.append(ProfilerActivity.CUDA)
+        activity = device_activity(self._device.type)
+        if activity is not None:
+            self._activities.append(activity)
         self._result: dict[str, Any] = {}
 
     def _on_step_start(self) -> None:
@@ -178,23 +280,19 @@ class ProfilerProbe(ProbeCallback):
         assert self._profiler is not None
         self._profiler.__exit__(None, None, None)
         events = self._profiler.events()
-        seconds, wall, step_times = categorise_profile(events)
-        total = max(wall, sum(seconds.values()))
         top = sorted(
             (a for a in self._profiler.key_averages() if a.key != STEP_LABEL), key=lambda a: a.cpu_time_total,
             reverse=True,
         )[:20]
-        self._result = {
-            "shares": {key: (value / total if total > 0 else 0.0) for key, value in seconds.items()},
-            "categories_s": seconds,
-            "wall_s": wall,
-            "step_times_s": step_times,
-            "top_ops": [[a.key, a.cpu_time_total / 1e6] for a in top],
-        }
+        self._result = {**time_shares(events, self._device.type, len(self._activities) > 1),
+                        "top_ops": [[a.key, a.cpu_time_total / 1e6] for a in top]}
         self._profiler = None
 
     def _payload(self) -> dict[str, Any]:
         empty = dict.fromkeys(CATEGORIES, 0.0)
+        source = {k: self._result.get(k) for k in ("source", "source_reason", "device_s")}
+        if not self._result:
+            source = {"source": None, "source_reason": "no step was profiled", "device_s": None}
         return {
             "start_step": self.start_step,
             "window": [self._window[0], self._window[-1]] if self._window else None,
@@ -206,4 +304,7 @@ class ProfilerProbe(ProbeCallback):
             "shares": self._result.get("shares", empty),
             "top_ops": self._result.get("top_ops", []),
             "activities": [str(a).removeprefix("ProfilerActivity.") for a in self._activities],
+            **source,
+            "host_categories_s": self._result.get("host_categories_s", empty),
+            "host_shares": self._result.get("host_shares", empty),
         }

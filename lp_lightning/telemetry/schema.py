@@ -173,6 +173,15 @@ class RunSummary:
         "point; `null`: none), whether it was written at the stop, the exit status (143, or 130 for SIGINT). The "
         "summary is then written at the stop."
     )
+    time_shares: dict[str, Any] | None = _key(
+        "Rank 0's profiled time shares when a `ProfilerProbe` ran (`null` otherwise): `window` (`[first, last]` "
+        'step), `source` (`"device"`: kernel time from the profiler\'s device activity; `"host"`: host ranges — '
+        "the compute on the CPU, kernel launches on an asynchronous device), `source_reason`, `shares` and "
+        "`categories_s` (`quantize`, `low_precision_mm`, `high_precision_mm`, `all_gather`, `reduce_scatter`, "
+        "`other`), `device_s` (kernel seconds of the window; `null` for a host source) and `host_shares` "
+        "(`lp_lightning.telemetry.profile_probe`).",
+        "s",
+    )
     low_precision: dict[str, Any] | None = _key(
         'The policy: `{"enabled", "format", "scaling", "recipe_name"}`; `null` in bf16 (as are `replacement`, '
         "`kernels` and `refresh`: no low-precision weight, GEMM or refresh exists there)."

@@ -32,6 +32,7 @@ from lp_lightning.lightning.preemption import SignalStop, exit_status
 from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.telemetry.loss_plot import finished_line, loss_plot_path, write_loss_plot
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
+from lp_lightning.telemetry.profile_probe import ProfilerProbe
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
 from lp_lightning.telemetry.schema import RunSummary
 from lp_lightning.telemetry.step_clock import StepClock
@@ -146,6 +147,17 @@ def _sharding(trainer: pl.Trainer) -> dict[str, Any] | None:
         {"fqn": fqn, "reason": reason} for fqn, reason in record.replicated_low_precision
     ]
     return sharding
+
+
+def _time_shares(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """Rank 0's profiled time shares from a :class:`ProfilerProbe` among the callbacks (``None`` without one, or
+    before its window closed)."""
+    probe = next((c for c in trainer.callbacks if isinstance(c, ProfilerProbe)), None)  # type: ignore[attr-defined]
+    result = probe.result if probe is not None else None
+    if not result or result.get("source") is None:
+        return None
+    return {key: result[key] for key in ("window", "source", "source_reason", "shares", "categories_s", "device_s",
+                                         "host_shares")}
 
 
 def _write_wire_trace(trainer: pl.Trainer, wire: Any, summary_path: Path) -> None:
@@ -416,6 +428,7 @@ class RunSummaryCallback(Callback):
                     self._first_step + i + 1 for i, seconds in enumerate(self._non_training) if seconds > 0
                 ],
             },
+            "time_shares": _time_shares(trainer),
             "nonfinite": self._nonfinite(trainer),
             "stop_signal": self._stop_signal(trainer),
             **self._low_precision_sections(trainer),

@@ -208,6 +208,10 @@ def test_step_records_and_profile_shares(runs, precision):
     assert seconds["all_gather"] == 0  # one rank: FSDP2 copies locally, no all-gather range
     assert sum(seconds.values()) == pytest.approx(profile["wall_s"], rel=1e-9)
     assert 0 < profile["wall_s"] and len(profile["top_ops"]) == 20
+    # A CPU run: the host ranges are the compute, labelled so (a device profile would say "device").
+    assert (profile["source"], profile["activities"], profile["device_s"]) == ("host", ["CPU"], None)
+    assert "CPU run" in profile["source_reason"] and profile["host_shares"] == profile["shares"]
+    assert summary["time_shares"]["source"] == "host" and summary["time_shares"]["shares"] == profile["shares"]
 
 
 def test_profile_categories_count_nested_ranges_once():
@@ -369,3 +373,69 @@ def test_two_process_cli_run_writes_per_rank_files_with_equal_gathered_weights(t
         weights = [r for r in rank_file["records"] if r["role"] == "weight" and r["weight_fqn"] not in GROUPED]
         assert weights and all(r["amax_source"] == "event" and r["matches"] for r in weights)  # cross-rank MAX
     assert files["steps"][0]["records"][0]["loss"] == files["steps"][1]["records"][0]["loss"]
+
+
+def _recorded_device_profile():
+    """A device profile as ``torch.profiler`` hands it over (no GPU here): the real ``FunctionEvent`` s, host
+    ranges with the kernels the profiler attaches to the launching op (``append_kernel``), linked into a tree
+    by the profiler's own ``EventList._build_tree``. Times in µs; the kernels outlast their launches."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    from lp_lightning.ops import trace
+    from lp_lightning.telemetry.profile_probe import STEP_LABEL
+
+    events, ids = [], iter(range(1, 100))
+
+    def op(name, start, end, kernel_us=0.0):
+        event = FunctionEvent(id=next(ids), name=name, thread=1, start_us=start, end_us=end, use_device="cuda")
+        if kernel_us:
+            event.append_kernel(f"{name}_kernel", 0, kernel_us)
+            events.append(FunctionEvent(id=next(ids), name=f"{name}_kernel", thread=7, start_us=start,
+                                        end_us=start + kernel_us, use_device="cuda", device_type=DeviceType.CUDA))
+        events.append(event)
+
+    op("aten::mm", 0, 50, kernel_us=999.0)  # before the step: not counted
+    op(STEP_LABEL, 100, 1100)
+    op(trace.MATMUL_LABEL, 110, 300)
+    op("aten::mm", 120, 290, kernel_us=400.0)  # inside the low-precision GEMM range
+    op(trace.QUANTIZE_LABEL, 300, 350)
+    op("aten::abs", 310, 340, kernel_us=50.0)
+    op("FSDP::all_gather (model.layers.0)", 350, 400)
+    op("c10d::allgather_", 360, 390, kernel_us=600.0)  # the NCCL kernel: all-gather time
+    op("aten::mm", 400, 450, kernel_us=100.0)  # outside every range: high precision
+    op("aten::add_", 450, 460, kernel_us=20.0)  # other
+    listed = EventList(sorted(events, key=lambda e: e.time_range.start), use_device="cuda")
+    listed._build_tree()
+    return listed
+
+
+def test_profile_shares_come_from_device_kernels_when_the_profile_has_them():
+    from lp_lightning.telemetry.profile_probe import time_shares
+
+    figures = time_shares(_recorded_device_profile(), "cuda", device_recorded=True)
+    assert figures["source"] == "device" and "cuda kernels" in figures["source_reason"]
+    assert figures["device_s"] == pytest.approx(1170e-6)
+    expected = {"low_precision_mm": 400e-6, "quantize": 50e-6, "all_gather": 600e-6, "high_precision_mm": 100e-6,
+                "other": 20e-6, "reduce_scatter": 0.0}
+    assert figures["categories_s"] == pytest.approx(expected)
+    assert figures["shares"] == pytest.approx({k: v / 1170e-6 for k, v in expected.items()})
+    # The host view of the same profile (launch times) is kept beside it, and differs.
+    assert figures["host_categories_s"]["low_precision_mm"] == pytest.approx(190e-6)
+    assert figures["host_shares"]["all_gather"] == pytest.approx(50 / 1000)
+    assert figures["wall_s"] == pytest.approx(1000e-6)
+
+
+def test_a_device_profile_without_kernels_is_labelled_host():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from lp_lightning.telemetry.profile_probe import STEP_LABEL, device_activity, time_shares
+
+    assert device_activity("cpu") is None
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(STEP_LABEL):
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    figures = time_shares(prof.events(), "npu", device_recorded=False)
+    assert figures["source"] == "host" and figures["shares"] == figures["host_shares"]
+    assert "torch.profiler records no npu activity here" in figures["source_reason"]
+    assert time_shares(prof.events(), "cuda", device_recorded=True)["source_reason"] == (
+        "no cuda kernel recorded inside the profiled steps")
