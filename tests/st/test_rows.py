@@ -186,9 +186,14 @@ def test_q3_10_fails_on_one_case():
 
 
 def test_q3_11_is_not_applicable_on_the_emulated_backend_and_judged_on_npu(tmp_path):
-    def main(case: str, seconds: float, backend: str) -> RunResult:
+    def main(case: str, seconds: float, backend: str, clock: bool = True) -> RunResult:
         times = [9.0] + [seconds] * 3
-        return run_result(f"main/{case}", tmp_path, summary((3.0,) * 4, step_times_s=times, tokens=4000, backend=backend))
+        # The step clock's record: a 0.5 s digest inside step 3, subtracted from its training time.
+        timed = {"step_wall_times_s": [9.0, seconds, seconds + 0.5, seconds], "non_training_s": [0.0, 0.0, 0.5, 0.0],
+                 "non_training": {"timing": "subtracted", "inside_steps_s": {"state_digest": 0.5},
+                                  "outside_steps_s": {"checkpoint_save": 2.0}}} if clock else {}
+        return run_result(f"main/{case}", tmp_path, summary((3.0,) * 4, step_times_s=times, tokens=4000, backend=backend,
+                                                            **timed))
 
     runs = {"main/bf16": main("bf16", 1.0, "none"), "main/mxfp8": main("mxfp8", 1.5, "emulated"),
             "main/hif8_current": main("hif8_current", 1.2, "emulated")}
@@ -197,9 +202,18 @@ def test_q3_11_is_not_applicable_on_the_emulated_backend_and_judged_on_npu(tmp_p
     perf = row.evidence["performance"]
     assert perf["mxfp8"]["step_time_ratio"] == pytest.approx(1.5) and perf["mxfp8"]["throughput_ratio"] == pytest.approx(1 / 1.5)
     assert perf["bf16"]["warmup_steps_excluded"] == 1 and perf["bf16"]["steady_steps"] == 3
+    # The steady figures show what the training time left out, and where.
+    assert perf["mxfp8"]["step_time_s_mean"] == pytest.approx(1.5)
+    assert perf["mxfp8"]["step_wall_time_s_mean"] == pytest.approx(1.5 + 0.5 / 3)
+    assert (perf["mxfp8"]["non_training_s_steady"], perf["mxfp8"]["non_training_steps"]) == (0.5, [3])
+    assert perf["mxfp8"]["non_training_outside_s"] == {"checkpoint_save": 2.0}
     runs["main/mxfp8"] = main("mxfp8", 0.9, "npu")
     runs["main/hif8_current"] = main("hif8_current", 1.2, "npu")
     row = performance_ratio_row(runs, SETTINGS)
     assert row.verdict == "fail"
     assert {c.name for c in row.checks if not c.ok} == {"hif8_current: throughput_ratio >= 1",
                                                          "hif8_current: step_time_ratio <= 1"}
+    # A summary without the step clock's record timed its digests and saves as training: not accepted.
+    runs["main/mxfp8"] = main("mxfp8", 0.9, "npu", clock=False)
+    failed = {c.name for c in performance_ratio_row(runs, SETTINGS).checks if not c.ok}
+    assert "mxfp8: steady step times exclude non-training work" in failed
