@@ -218,8 +218,10 @@ def performance_section(runs: dict[str, RunResult], settings: STSettings) -> dic
         entry["all_gather_bytes_vs_bf16"] = (gathered / bf16_bytes) if gathered and bf16_bytes else None
         out[case] = entry
     out["notes"] = [
-        f"steady: the first {settings.warmup_steps} steps are left out; tokens/s = steady tokens / steady wall time, "
-        "step time = mean (and median) of the steady steps, the same statistics for every case (design spec §17.4)",
+        f"steady: the first {settings.warmup_steps} steps are left out; tokens/s = steady tokens / steady training time, "
+        "step time = mean (and median) of the steady steps' training time (wall time less the checkpoint saves, "
+        "digests and probe sampling inside the step: docs/outputs.md \"Step times\"), the same statistics for every "
+        "case (design spec §17.4)",
         "reshard/recompute deltas come from the short variant runs (median of their steps after the second): "
         "indicative, compare them within one report",
         "on CPU, peak memory is each process's peak RSS (ru_maxrss: Python, libraries and the data included), not "
