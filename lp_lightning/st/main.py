@@ -20,7 +20,7 @@ the selected rows read, ``--required_steps`` >= 20 and ``--steady_steps`` >= ``-
 fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` made with the same
 ``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``); a YAML
 with ``backend: emulated`` on the npu accelerator needs ``--allow_emulated true``
-(:mod:`lp_lightning.st.target`).
+(:mod:`lp_lightning.st.emulated_gate`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, pl
 from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
 from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
-from lp_lightning.st.target import emulated_on_npu_error, run_target
+from lp_lightning.st.emulated_gate import emulated_on_npu_error, run_target
 from lp_lightning.versions import software_versions
 
 __all__ = ["build_parser", "st_main"]
