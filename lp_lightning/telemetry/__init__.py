@@ -7,6 +7,7 @@ choice or the order of an operation. Nothing below this package imports it; the 
 import nothing low-precision until a low-precision run starts.
 """
 
+from lp_lightning.telemetry.fault_injection import InjectNonFiniteGradient
 from lp_lightning.telemetry.memory_probe import TensorMemoryProbe
 from lp_lightning.telemetry.probe_callbacks import (
     GatherTraceProbe,
@@ -24,6 +25,7 @@ __all__ = [
     "GatherTraceProbe",
     "GemmTraceProbe",
     "HighPrecisionGemmProbe",
+    "InjectNonFiniteGradient",
     "ProbeCallback",
     "ProfilerProbe",
     "RefreshProbe",
