@@ -24,6 +24,7 @@ from typing import Any
 from lp_lightning.st.cases import CASES, STSettings, build_runs
 from lp_lightning.st.rows import Row, steady_performance, unit_roundoff
 from lp_lightning.st.runner import RunResult
+from lp_lightning.st.sections import report_sections, sections_markdown
 
 __all__ = ["performance_section", "short_run_checks", "write_per_step_csv", "write_report"]
 
@@ -512,6 +513,7 @@ def write_report(
         "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__} | {"steps": settings.steps,
                                                                                        "save_step": settings.save_step},
         "plots": plots,
+        "sections": report_sections(rows, numerics_rows, runs, settings),
         **meta,
     }
     (out / "report.json").write_text(json.dumps(_json_safe(report), indent=1, default=str) + "\n")
@@ -540,5 +542,6 @@ def write_report(
         md += ["![performance](performance_memory.png)", ""]
     md += _performance_markdown(perf) if any(c.name in perf for c in CASES) else [
         "Not measured: no main run ran (`--cases`/`--rows` selected none).", ""]
+    md += sections_markdown(report["sections"])
     (out / "report.md").write_text("\n".join(md) + "\n")
     return report

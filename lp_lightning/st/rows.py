@@ -36,6 +36,7 @@ from lp_lightning.st.rows_fsdp import (
     recompute_refresh_row,
 )
 from lp_lightning.st.runner import RunResult
+from lp_lightning.st.sections import skipped_step_checks
 from lp_lightning.st.verdict import (
     ROLES,
     ROW_TITLES,
@@ -90,6 +91,7 @@ def _low_precision_row(
         _kernel_checks(row, probe, f"probe/{case}", fmt)
         _no_fallback_checks(row, probe, main)
         _scale_checks(row, probe, case, settings.devices)
+        skipped_step_checks(row, probe, case)
     return row
 
 
