@@ -79,7 +79,8 @@ def _low_precision_row(
     row_id: str, case: str, runs: dict[str, RunResult], settings: STSettings, targets: dict[str, list[str]]
 ) -> Row:
     """Design spec §17.2 Q3-02 / Q3-03 (MXFP8 / HiF8 end to end): the case trains, replaces every target,
-    runs its GEMMs in low precision with no fallback, and records its scales."""
+    runs its GEMMs in low precision with no fallback, and records its scales; the step of ``probe/<case>`` made
+    non-finite on purpose is skipped and refreshes no weight (design spec §16.6, :mod:`lp_lightning.st.sections`)."""
     row = Row(row_id)
     fmt = dict((c.name, (c.low_precision or {}).get("format")) for c in CASES)[case]
     main, probe = runs.get(f"main/{case}"), runs.get(f"probe/{case}")

@@ -203,7 +203,9 @@ def accumulation_refresh_row(runs: dict[str, RunResult], settings: STSettings) -
 
 def recompute_refresh_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
     """Design spec §17.2 Q3-08 (full recompute): the recompute runs train, refresh once per step (never inside
-    forward/backward) and hold no extra persistent weights."""
+    forward/backward) and, measured against ``main/<case>`` (recompute off) over the same steps, give bitwise the
+    same losses and gradient norms, the same GEMMs per role (fprop twice), refreshes, all-gathers and resident
+    objects (design spec §16.5; :func:`lp_lightning.st.sections.recompute_equality_checks`)."""
     row = Row("Q3-08")
     for case in ("mxfp8", "hif8_current"):
         run, main = runs.get(f"recompute/{case}"), runs.get(f"main/{case}")
