@@ -181,6 +181,12 @@ def _probe(name: str, **init_args: Any) -> dict[str, Any]:
     return {"class_path": f"{PROBES}.{name}", "init_args": {"out_dir": None, **init_args}}
 
 
+def _fingerprints(steps: int) -> dict[str, Any]:
+    """The gradient fingerprints of the first ``steps`` steps (Q3-08: recompute against the off run)."""
+    return {"class_path": "lp_lightning.telemetry.resident_probe.GradientFingerprintProbe",
+            "init_args": {"out_dir": None, "steps": steps}}
+
+
 def _every_event_probes(case: STCase) -> list[dict[str, Any]]:
     probes = [_probe("StepRecordProbe"), _probe("RefreshProbe")]
     if case.is_low_precision:
@@ -210,6 +216,9 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
                         "init_args": {"out_dir": None}}]  # §17.4 dependencies and resident objects, at the end
         if case.is_low_precision:
             main_probes += [_probe(kind, sample_every=10**9) for kind in ("GemmTraceProbe", "GatherTraceProbe")]
+            compared = min(settings.variant_steps, settings.warmup_steps)  # Q3-08's gradients, outside the timed steps
+            if compared:
+                main_probes.append(_fingerprints(compared))
         runs.append(
             RunSpec(
                 f"main/{case.name}", "main", case, settings.steps,
@@ -251,7 +260,8 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
                 f"recompute/{case.name}", "recompute", case, settings.variant_steps,
                 overrides={**variant, "model.activation_checkpoint": "full"},
                 callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.telemetry.resident_probe."
-                                                        "ResidentObjectsProbe", "init_args": {"out_dir": None}}),
+                                                        "ResidentObjectsProbe", "init_args": {"out_dir": None}},
+                           *([_fingerprints(settings.variant_steps)] if case.is_low_precision else [])),
             )
         )
         if case.is_low_precision:

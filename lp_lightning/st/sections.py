@@ -138,6 +138,16 @@ def recompute_equality_checks(row: Row, full: RunResult, off: RunResult, case: s
     row.check_compared(f"{name}: all-gathers per step and rank equal (recompute gathers nothing more)",
                        len(gathers[off.spec.name]), gathers[full.spec.name] == gathers[off.spec.name],
                        gathers[full.spec.name][:6], gathers[off.spec.name][:6])
+    prints = {run.spec.name: {(r["_rank"], s["step"]): s["grads"] for r in run.probe("grad_fingerprint")
+                              for s in r.get("per_step", [])} for run in (full, off)}
+    common = sorted(set(prints[full.spec.name]) & set(prints[off.spec.name]))
+    differ = [f"rank {rank} step {step}: {fqn}" for rank, step in common
+              for fqn in sorted(set(prints[full.spec.name][(rank, step)]) | set(prints[off.spec.name][(rank, step)]))
+              if prints[full.spec.name][(rank, step)].get(fqn) != prints[off.spec.name][(rank, step)].get(fqn)]
+    row.check_compared(f"{name}: gradients bitwise equal (FP32 sum and max |g| of every gradient shard)", len(common),
+                       not differ, differ[:5] or f"{len(common)} rank-steps equal", "identical fingerprints",
+                       if_none=f"main/{case} fingerprints only its warm-up steps (outside the timed window): "
+                               "--warmup_steps 0 leaves none")
     resident = {run.spec.name: _resident(run) for run in (full, off)}
     row.check_compared(f"{name}: no extra persistent weights (measured: parameters, 8-bit weights, storage tensors "
                        "and bytes per rank)", len(resident[off.spec.name]),
@@ -147,6 +157,7 @@ def recompute_equality_checks(row: Row, full: RunResult, off: RunResult, case: s
         "steps_compared": steps, "losses": {"full": losses[0], "off": losses[1]},
         "grad_norms": {"full": norms[0], "off": norms[1]}, "gemms_per_step": {"full": full_roles, "off": off_roles},
         "refreshes": refresh, "gathers_per_step": gathers, "resident": resident,
+        "gradient_fingerprints_compared": len(common), "gradients_differing": differ[:20],
     }
 
 

@@ -23,6 +23,7 @@ import torch
 from _inprocess import fit_tiny, tiny_datamodule
 from lp_lightning.lightning import LowPrecisionPlugin
 from lp_lightning.telemetry import GemmTraceProbe, InjectNonFiniteGradient, RefreshProbe
+from lp_lightning.telemetry.resident_probe import GradientFingerprintProbe
 
 LOW_PRECISION_WEIGHTS = 25
 
@@ -44,9 +45,11 @@ class _Gradients(pl.Callback):
 def _fit(tmp_path, token_cache_dir, mode: str, recompute: str, steps: int, *extra: pl.Callback):
     refresh, gemms, grads = RefreshProbe(out_dir=str(tmp_path / "probes")), GemmTraceProbe(
         out_dir=str(tmp_path / "probes"), sample_every=10**9), _Gradients()
+    prints = GradientFingerprintProbe(out_dir=str(tmp_path / "probes"))
     trainer, _, summary = fit_tiny(tmp_path, datamodule=tiny_datamodule(token_cache_dir), max_steps=steps,
                                    activation_checkpoint=recompute, plugin=LowPrecisionPlugin(mode),
-                                   callbacks=[*extra, refresh, gemms, grads])
+                                   callbacks=[*extra, refresh, gemms, grads, prints])
+    summary["_fingerprints"] = prints.result["per_step"]
     return trainer, summary, refresh.result, gemms.result, grads.per_step
 
 
@@ -76,6 +79,9 @@ def test_recompute_full_matches_off_bitwise_with_the_same_kernels(mode, tmp_path
     torch.distributed.destroy_process_group()
     _, full, full_refresh, full_gemms, full_grads = _fit(tmp_path / "full", token_cache_dir, mode, "full", 2)
     assert full["losses"] == off["losses"] and full["grad_norms"] == off["grad_norms"]
+    # st's Q3-08 compares these fingerprints (lp_lightning.st.sections): equal here, and they do see a change
+    assert full["_fingerprints"] == off["_fingerprints"] and len(off["_fingerprints"][0]["grads"]) > LOW_PRECISION_WEIGHTS
+    assert off["_fingerprints"][0]["grads"] != off["_fingerprints"][1]["grads"]
     for step, (a, b) in enumerate(zip(off_grads, full_grads), start=1):
         assert a.keys() == b.keys() and len(a) > LOW_PRECISION_WEIGHTS
         different = [name for name in a if not torch.equal(a[name], b[name])]

@@ -194,7 +194,7 @@ def test_a_fresh_reduced_report_shows_what_the_rows_exercise(reports):
     assert skipped["guard_skips"][0]["step"] == 2 and skipped["guard_skips"][0]["reason"] == "non-finite gradient"
     assert checks["probe/mxfp8: the skipped step refreshes no weight, every other step each weight once"]["ok"]
     recompute = [c for name, c in checks.items() if name.startswith("recompute/mxfp8 vs main/mxfp8: ")]
-    assert len(recompute) == 6 and all(c["ok"] for c in recompute), recompute
+    assert len(recompute) == 7 and all(c["ok"] for c in recompute), recompute
     gemms = report["sections"]["recompute_vs_off"]["mxfp8"]["gemms_per_step"]
     assert gemms["full"]["dense_fprop"] == 2 * gemms["off"]["dense_fprop"] > 0
     assert gemms["full"]["dense_wgrad"] == gemms["off"]["dense_wgrad"] > 0

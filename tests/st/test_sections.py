@@ -48,13 +48,16 @@ def _gemms(steps: int, fprop: int) -> dict:
     return {"counts": counts}
 
 
-def _variant(tmp_path, name: str, losses, fprop: int):
+def _variant(tmp_path, name: str, losses, fprop: int, grad_bits: int = 7):
     steps = len(losses)
+    prints = {"per_step": [{"step": s + 1, "grads": {"model.layers.0.mlp.gate_proj.weight": [grad_bits * (s + 1), 3]}}
+                           for s in range(steps)]}
     resident = {"parameters": {"count": 39, "low_precision_weights": 25, "low_precision_storage_tensors": 100,
                                "low_precision_storage_bytes": 5702400}}
     probes = {"gemm_trace": [_gemms(steps, fprop)], "refresh": [{"per_step": [
         {"step": s + 1, "refreshes": 25, "max_per_weight": 1} for s in range(steps)]}],
-        "gather_trace": [{"per_step": [{"step": s + 1, "pre": 50} for s in range(steps)]}], "resident": [resident]}
+        "gather_trace": [{"per_step": [{"step": s + 1, "pre": 50} for s in range(steps)]}], "resident": [resident],
+        "grad_fingerprint": [prints]}
     return run_result(name, tmp_path / name, summary(tuple(losses)), probes)
 
 
@@ -62,11 +65,14 @@ def test_recompute_matches_off_bitwise_with_fprop_doubled_and_names_the_first_di
     off = _variant(tmp_path, "main/mxfp8", (3.0, 2.9, 2.8, 2.7), fprop=21)
     row = Row("Q3-08")
     recompute_equality_checks(row, _variant(tmp_path, "recompute/mxfp8", (3.0, 2.9), fprop=42), off, "mxfp8", SETTINGS)
-    assert all(c.ok for c in row.checks) and len(row.checks) == 6, [c for c in row.checks if not c.ok]
+    assert all(c.ok for c in row.checks) and len(row.checks) == 7, [c for c in row.checks if not c.ok]
     assert row.evidence["mxfp8.recompute_vs_off"]["steps_compared"] == 2
     row = Row("Q3-08")
-    recompute_equality_checks(row, _variant(tmp_path, "recompute/mxfp8", (3.0, 2.95), fprop=21), off, "mxfp8", SETTINGS)
+    recompute_equality_checks(row, _variant(tmp_path, "recompute/mxfp8", (3.0, 2.95), fprop=21, grad_bits=8), off,
+                              "mxfp8", SETTINGS)
     failed = {c.name.split(": ", 1)[1]: c.observed for c in row.checks if not c.ok}
+    assert failed.pop("gradients bitwise equal (FP32 sum and max |g| of every gradient shard)") == [
+        "rank 0 step 1: model.layers.0.mlp.gate_proj.weight", "rank 0 step 2: model.layers.0.mlp.gate_proj.weight"]
     assert set(failed) == {"losses bitwise equal (same kernels replayed)",
                            "GEMMs per role per step (fprop: forward + recompute; dgrad, wgrad: as off)"}
     assert failed["losses bitwise equal (same kernels replayed)"] == "step 2: 2.95 vs 2.9"
