@@ -11,6 +11,8 @@ section (``report.json`` ``sections``)  evidence                            chec
                                         records per step
 ``recompute_vs_off``                    ``recompute/<case>`` against         Q3-08
                                         ``main/<case>`` over the same steps
+                                        (gradient fingerprints: main's
+                                        warm-up steps only)
 ``q3_05_backward_gathers``              the gather trace of the run with     Q3-05 (evidence and note)
                                         ``reshard_after_forward=true``
 ``low_precision_off``                   the main runs' resident-objects      (report only: design spec §17.4)
