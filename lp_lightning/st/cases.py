@@ -10,12 +10,15 @@ run                 variant (on top of the user's YAML)        evidence for
 ==================  =========================================  ======================================
 ``main/<case>``     ``steps`` optimizer steps (warm-up +       Q3-01/02/03 (loss, grad norm, kernels,
                     steady), a checkpoint after ``save_step``  scales), Q3-09 (the continuous run),
-                                                               Q3-11 (step records, no heavy probe)
+                                                               Q3-11 (step records, no heavy probe),
+                                                               Q3-08 (the off run), §17.4 resident
+                                                               objects and imported modules
 ``probe/<case>``    3 steps with the high-precision GEMM       Q3-02/03/04 (no fallback, the model
                     probe and every event sampled; a non-      boundary), low-precision cases only;
                     finite gradient injected at step 2         the skipped step (no refresh there)
 ``reshard/<case>``  ``reshard_after_forward`` flipped          Q3-05/06, §17.4 reshard delta
-``recompute/<c>``   ``activation_checkpoint: full``            Q3-08, §17.4 recompute delta
+``recompute/<c>``   ``activation_checkpoint: full``            Q3-08 (against ``main/<case>``), §17.4
+                                                               recompute delta
 ``accum/<case>``    ``accumulate_grad_batches: 2`` (same       Q3-07 (low-precision cases)
                     global batch)
 ``resume/<case>``   a fresh process resuming ``main/<case>``   Q3-01, Q3-09; profiler time shares
