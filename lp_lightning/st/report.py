@@ -6,8 +6,9 @@
 ``performance`` (§17.4, per case whose main run ran: steady tokens/s and step times, ratios,
 per-rank and global peak memory, profiler time shares, the reshard and recompute deltas,
 all-gather bytes against BF16; ``load``: :func:`load_comparison`), ``runs`` (each run's folder,
-exit status, wall time, ``reused``), ``settings`` (with ``reduced``), ``versions`` and ``plots``
-(only those drawn). ``report.md`` is the same for a reader, with the plots inline, a header with
+exit status, wall time, ``reused``), ``settings`` (with ``reduced``), ``versions``, ``plots``
+(only those drawn) and ``sections`` (skipped step, recompute off vs full, Q3-05 backward gathers, §17.4
+low precision off, §17.5 limitations: :mod:`lp_lightning.st.sections`). ``report.md`` is the same for a reader, with the plots inline, a header with
 the devices, step counts and the runs that did not run, and a load warning in its performance
 section. ``per_step.csv`` is the raw per-step data of every run and rank.
 """
