@@ -13,7 +13,8 @@ norm, so the guard sees the value exactly as it would see an overflowed gradient
         - class_path: lp_lightning.telemetry.InjectNonFiniteGradient
           init_args: {step: 2}
 
-It writes ``inject_rank<r>.json`` like the probes (:mod:`lp_lightning.telemetry.probe_callbacks`):
+It is a Trainer callback (Fabric has no ``on_before_optimizer_step``; there, write the value before
+``optimizer.step()`` in the loop). It writes ``inject_rank<r>.json`` like the probes (:mod:`lp_lightning.telemetry.probe_callbacks`):
 ``{"at_step", "value", "on_rank", "parameter", "injected": [{"step", "fqn", "rank", "value",
 "index"}]}`` — ``injected`` is empty on the ranks that wrote nothing.
 """

@@ -95,7 +95,7 @@ class GradientFingerprintProbe(ProbeCallback):
     local gradient shard gives two FP32 reductions computed on its device — the sum and ``max |g|`` —
     recorded as their IEEE bit patterns (int32). Bitwise-equal gradients give equal fingerprints; unequal
     ones differ with near certainty. ``per_step``: ``[{"step", "grads": {"<FQN>": [sum_bits, amax_bits]}}]``
-    for steps ``1 .. steps`` of the fit call (``steps`` 0: every step). It costs two reductions per
+    for steps ``1 .. steps`` of the fit call (``steps`` 0: every step); a Trainer callback. It costs two reductions per
     parameter and one host copy per step: keep it out of timed steps (``lp-lightning st`` records only
     warm-up steps of a main run).
 
