@@ -49,15 +49,19 @@ from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand
 from lp_lightning.formats.recipe import recipe_for
 from lp_lightning.formats.spec import as_spec
 from lp_lightning.ops import api
-from lp_lightning.ops.backend import get_backend_impl, parse_backend_name
+from lp_lightning.ops.backend import (
+    LowPrecisionUnsupportedError,
+    get_backend_impl,
+    parse_backend_name,
+)
 from lp_lightning.ops.trace import record_gemms, record_quantizes
 
 __all__ = [
     "CONFORMANCE_FORMATS",
+    "REFERENCE_BACKEND",
     "ConformanceCase",
     "ConformanceResult",
     "OpenQuestionVerdict",
-    "REFERENCE_BACKEND",
     "gemm_error_bound",
     "run_conformance",
 ]
@@ -231,7 +235,6 @@ class _Input:
 
     x: torch.Tensor
     labels: dict[str, torch.Tensor]
-    amax: torch.Tensor | None = None
 
 
 def _generator() -> torch.Generator:
@@ -246,11 +249,8 @@ def _wide_random(gen: torch.Generator, shape: tuple[int, ...], low: int = -6, hi
     return x.reshape(shape)
 
 
-# MXFP8: a 32x32 tile is a block in both orientations. Each tile of an [80, 96] input holds one edge case.
-
-
-
 def _mx_tile(kind: str, gen: torch.Generator, rows: int) -> tuple[torch.Tensor, str | None]:
+    """A ``[rows, 32]`` tile of one edge kind and its label; a 32x32 tile is one block in both orientations."""
     eye = torch.zeros((rows, 32), dtype=torch.bool)
     eye[torch.arange(rows), torch.arange(rows) % 32] = True
     if kind == "ties":  # amax 448 per block (scale 2^0), the rest exact E4M3 midpoints of both signs
@@ -293,7 +293,7 @@ def _mx_input(dtype: torch.dtype, cols: int = 96) -> _Input:
     return _Input(x, labels)
 
 
-def _hif8_specials() -> tuple[list[float], dict[str, list[float]]]:
+def _hif8_specials() -> dict[str, list[float]]:
     """HiF8 edge values under scale 1.0 (the quantizer's scale when amax is not finite)."""
     ties = [t * s for s in (1.0, -1.0) for t in (
         1.0625, 1.1875, 2.125, 4.25, 8.5, 14.5, 18.0, 320.0, 0.53125, 1.125 * 2**-4, 1.25 * 2**-8, 1.5 * 2**-18,
@@ -304,7 +304,7 @@ def _hif8_specials() -> tuple[list[float], dict[str, list[float]]]:
     tiny = [2.0**-24, 1e-40, -1e-40, 0.0, -0.0]
     groups = {"tie": ties, "sub_2^-22": sub, "overflow": overflow, "below_overflow": below, "zero_or_tiny": tiny,
               "+inf": [math.inf], "-inf": [-math.inf], "nan": [math.nan]}
-    return [v for values in groups.values() for v in values], groups
+    return groups
 
 
 def _labelled(shape: tuple[int, ...], gen: torch.Generator, groups: dict[str, list[float]], dtype: torch.dtype,
@@ -314,6 +314,7 @@ def _labelled(shape: tuple[int, ...], gen: torch.Generator, groups: dict[str, li
     labels: dict[str, torch.Tensor] = {}
     position = 0
     stride = max(1, x.numel() // max(1, sum(len(v) for v in groups.values())) - 1)
+    assert stride * sum(len(v) for v in groups.values()) <= x.numel(), "conformance: too many edge values"
     for label, values in groups.items():
         mask = torch.zeros(x.numel(), dtype=torch.bool)
         for value in values:
@@ -325,38 +326,50 @@ def _labelled(shape: tuple[int, ...], gen: torch.Generator, groups: dict[str, li
     return _Input(x, labels)
 
 
-def _hif8_inputs(dtype: torch.dtype) -> dict[str, _Input]:
-    """The HiF8 inputs: specials under scale 1, exact ties under a power-of-two scale, near-boundary
-    values under a non-power-of-two scale, and a 3-D weight with one of each per group."""
-    gen = _generator()
-    _, specials = _hif8_specials()
-    inputs = {"specials": _labelled((16, 64), gen, specials, dtype)}
-    # amax 1.875 = 15 * 2^-3 -> scale 2^-3 exactly: every x / scale below is an exact HiF8 midpoint.
-    exact = {"tie": [t * s for s in (1.0, -1.0) for t in (1.0625, 1.1875, 2.125, 4.25, 8.5, 14.5, 0.53125,
-                                                          1.125 * 2**-4, 1.25 * 2**-8, 1.5 * 2**-18, 1.5 * 2**-22)],
-             "sub_2^-22": [2.0**-23, 1.5 * 2**-23], "amax": [15.0]}
-    inputs["ties"] = _labelled((32, 48), gen, exact, dtype, scale=2.0**-3,
-                               fill=lambda: (torch.rand((32, 48), generator=gen) * 2 - 1) * 1.8)
-    # amax 3.7 -> scale fl32(3.7 / 15), not a power of two: x = fl32(m * scale) and its FP32 neighbours,
-    # for HiF8 midpoints m, sit next to a rounding boundary (the division's last bit decides the code).
+_HIF8_TIES = (1.0625, 1.1875, 2.125, 4.25, 8.5, 14.5, 0.53125, 1.125 * 2**-4, 1.25 * 2**-8)
+"""HiF8 midpoints in the 3-, 2- and 1-bit mantissa bands (below 15, so they fit under amax 15 · scale)."""
+
+
+def _hif8_input(kind: str, shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> _Input:
+    """One HiF8 input of ``shape`` (module docstring); ``"amax"`` is placed first, so every input holds it.
+
+    - ``specials``: scale 1 (amax is not finite): ties of every band, [2^-23, 2^-22), the overflow
+      threshold, zeros and FP32 subnormals, ±Inf and NaN, as the codec sees them;
+    - ``ties``: amax 15 · 2^-3, so the scale is exactly 2^-3 and each x / scale an exact midpoint;
+    - ``near_ties``: amax 3.7, a non-power-of-two scale; x = fl32(m · scale) and its FP32 neighbours
+      for midpoints m sit next to a rounding boundary (the division's last bit decides the code).
+    """
+    numel = shape[0] * shape[1]
+    if kind == "specials":
+        return _labelled(shape, gen, _hif8_specials(), dtype)
+    if kind == "ties":
+        ties = [t * s for s in (1.0, -1.0) for t in (*_HIF8_TIES, 1.5 * 2**-18, 1.5 * 2**-22)]
+        groups = {"amax": [15.0], "tie": ties, "sub_2^-22": [2.0**-23, 1.5 * 2**-23]}
+        return _labelled(shape, gen, groups, dtype, scale=2.0**-3,
+                         fill=lambda: (torch.rand(numel, generator=gen) * 2 - 1) * 1.8)
     scale = torch.tensor(3.7, dtype=torch.float32) / 15.0
     near = []
-    for m in (1.0625, 1.1875, 2.125, 4.25, 8.5, 14.5, 0.53125, 1.125 * 2**-4, 1.25 * 2**-8):
-        centre = (torch.tensor(m, dtype=torch.float32) * scale)
+    for m in _HIF8_TIES:
+        centre = torch.tensor(m, dtype=torch.float32) * scale
         near += [float(torch.nextafter(centre, torch.tensor(-math.inf))), float(centre),
                  float(torch.nextafter(centre, torch.tensor(math.inf)))]
-    inputs["near_ties"] = _labelled((32, 48), gen, {"near_tie": near, "amax": [3.7]}, torch.float32,
-                                    fill=lambda: (torch.rand((32, 48), generator=gen) * 2 - 1) * 3.6)
-    # 3-D [E, D1, D2]: group 0 exact ties, 1 specials (scale 1), 2 all zero (scale 1), 3 near-boundary values.
-    groups = [inputs["ties"].x.reshape(-1)[:384], inputs["specials"].x.reshape(-1)[:384], torch.zeros(384),
-              inputs["near_ties"].x.reshape(-1)[:384]]
-    x_EKN = torch.stack([g.to(torch.float32) for g in groups]).reshape(4, 16, 24)
-    labels = {}
-    for index, source in ((0, inputs["ties"]), (1, inputs["specials"]), (3, inputs["near_ties"])):
-        for label, mask in source.labels.items():
-            merged = labels.setdefault(label, torch.zeros((4, 384), dtype=torch.bool))
-            merged[index] = mask.reshape(-1)[:384]
-    inputs["grouped"] = _Input(x_EKN, {k: v.reshape(4, 16, 24) for k, v in labels.items()})
+    return _labelled(shape, gen, {"amax": [3.7], "near_tie": near}, torch.float32,
+                     fill=lambda: (torch.rand(numel, generator=gen) * 2 - 1) * 3.6)
+
+
+def _hif8_inputs(dtype: torch.dtype) -> dict[str, _Input]:
+    """The HiF8 inputs of :func:`_hif8_input`, 2-D, and a 3-D ``[4, 16, 24]`` weight whose groups are
+    ``ties``, ``specials``, all zero (scale 1) and ``near_ties``, each scaled on its own."""
+    gen = _generator()
+    inputs = {kind: _hif8_input(kind, shape, dtype, gen)
+              for kind, shape in (("specials", (16, 64)), ("ties", (32, 48)), ("near_ties", (32, 48)))}
+    parts = [_hif8_input("ties", (16, 24), dtype, gen), _hif8_input("specials", (16, 24), dtype, gen),
+             _Input(torch.zeros((16, 24), dtype=dtype), {}), _hif8_input("near_ties", (16, 24), dtype, gen)]
+    labels: dict[str, torch.Tensor] = {}
+    for index, part in enumerate(parts):
+        for label, mask in part.labels.items():
+            labels.setdefault(label, torch.zeros((4, 16, 24), dtype=torch.bool))[index] = mask
+    inputs["grouped"] = _Input(torch.stack([p.x.to(torch.float32) for p in parts]), labels)
     for item in inputs.values():
         item.labels.pop("amax", None)
     return inputs
@@ -464,10 +477,10 @@ def _quantize_case(backend: str, device: torch.device, fmt: str, op: str, role: 
 
     def body() -> None:
         if op == "quantize":
-            run = lambda name: (api.quantize(quantizer, x, orientation=orientation, group_list=groups,  # noqa: E731
+            run = lambda name: (api.quantize(quantizer, x, orientation=orientation, group_list=groups,
                                              backend=name),)
         else:
-            run = lambda name: api.quantize_dual(quantizer, x, backend=name)  # noqa: E731
+            run = lambda name: api.quantize_dual(quantizer, x, backend=name)
         seen, reference = run(backend), run(REFERENCE_BACKEND)
         for s, r in zip(seen, reference):
             label = r.orientation
@@ -651,7 +664,8 @@ _CASES: dict[str, Callable[[str, torch.device], list[ConformanceCase]]] = {"mxfp
 
 def _gemm_cases(backend: str, device: torch.device, fmt: str) -> list[ConformanceCase]:
     cases = [_matmul_case(backend, device, fmt, layout, dtype) for layout in _LAYOUTS for dtype in _OUTPUT_DTYPES]
-    cases += [_grouped_case(backend, device, fmt, layout, dtype) for layout in _LAYOUTS for dtype in _OUTPUT_DTYPES]
+    cases += [_grouped_case(backend, device, fmt, layout, dtype) for layout in _LAYOUTS
+              for dtype in (torch.bfloat16, torch.float32)]  # what a run's grouped GEMMs write: BF16, FP32 (wgrad)
     return cases
 
 
@@ -749,9 +763,8 @@ def _verdicts(backend: str, formats: Sequence[str], cases: list[ConformanceCase]
     if "hif8" in formats:
         parts, same = [], True
         finite = [c for c in cases if c.format == "hif8" and c.op.startswith("quantize")]
-        for label, name in (("tie", "exact ties (away from zero)"), ("near_tie", "x next to a boundary "
-                            "(IEEE division)"), ("+inf", "+Inf"), ("-inf", "-Inf"), ("nan", "NaN"),
-                            ("overflow", "|x| >= 40960")):
+        for label, name in (("tie", "exact ties (away from zero)"), ("near_tie", "x next to a boundary (IEEE division)"),
+                            ("+inf", "+Inf"), ("-inf", "-Inf"), ("nan", "NaN"), ("overflow", "|x| >= 40960")):
             obs = _observed(cases, "hif8", label)
             text, ok = _codes_line(name, obs)
             parts.append(text)
@@ -803,8 +816,6 @@ def run_conformance(
     if unknown or not formats:
         raise ValueError(f"run_conformance: formats={list(formats)}; conformance cases exist for "
                          f"{list(CONFORMANCE_FORMATS)}. Pass a non-empty subset.")
-    from lp_lightning.ops.backend import LowPrecisionUnsupportedError  # noqa: PLC0415 - the public error type
-
     impl = get_backend_impl(name)
     for fmt in formats:
         message = impl.capability_error(as_spec(fmt))  # imports torch_npu for "npu" (so "npu:0" is a device)

@@ -17,8 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lp_lightning.ops.backend import LowPrecisionUnsupportedError, backend_for_device_type
-from lp_lightning.ops.conformance import REFERENCE_BACKEND, ConformanceCase, run_conformance
+from lp_lightning.ops.backend import (
+    LowPrecisionUnsupportedError,
+    backend_for_device_type,
+)
+from lp_lightning.ops.conformance import (
+    REFERENCE_BACKEND,
+    ConformanceCase,
+    run_conformance,
+)
 from lp_lightning.st.verdict import Check, Row
 
 __all__ = ["FILE", "ROW_ID", "conformance_row", "conformance_rows", "conformance_section", "conformance_target"]
@@ -34,7 +41,7 @@ NOT_APPLICABLE = (
 def _accelerator_device_type(accelerator: str) -> str:
     """The torch device type of a Lightning accelerator name (the npu accelerator's may be remapped in tests)."""
     if accelerator == "npu":
-        from lp_lightning.lightning.accelerator import DEVICE_TYPE  # noqa: PLC0415 - only for the npu accelerator
+        from lp_lightning.lightning.accelerator import DEVICE_TYPE
 
         return DEVICE_TYPE
     return "cuda" if accelerator in ("cuda", "gpu") else "cpu"

@@ -40,7 +40,7 @@ def _quotient(x: torch.Tensor, scales: torch.Tensor, axis: int) -> torch.Tensor:
 
 class HiF8TiesToEven(FakeTorchNpu):
     @staticmethod
-    def _npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):
+    def _npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):  # noqa: PLW0211 - the schema's input
         away = FakeTorchNpu._npu_quantize(self, scales, zero_points, dtype, axis, div_mode)
         q = _quotient(self, scales, axis)
         toward = hif8.encode(torch.nextafter(q, torch.zeros_like(q)))
@@ -52,7 +52,7 @@ class HiF8TiesToEven(FakeTorchNpu):
 
 class InfNotSaturated(FakeTorchNpu):
     @staticmethod
-    def _npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):
+    def _npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):  # noqa: PLW0211 - the schema's input
         codes = FakeTorchNpu._npu_quantize(self, scales, zero_points, dtype, axis, div_mode)
         return torch.where(self == math.inf, torch.full_like(codes, hif8.HIF8_NAN_CODE), codes)
 

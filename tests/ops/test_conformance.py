@@ -16,7 +16,11 @@ from deviant_torch_npu import DEVIATIONS
 from fake_torch_npu import FakeTorchNpu
 
 from lp_lightning.ops.backend import LowPrecisionUnsupportedError
-from lp_lightning.ops.conformance import ConformanceResult, gemm_error_bound, run_conformance
+from lp_lightning.ops.conformance import (
+    ConformanceResult,
+    gemm_error_bound,
+    run_conformance,
+)
 from lp_lightning.ops.npu import clear_capability_cache
 
 
