@@ -91,7 +91,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--cases", type=list[str], default=[c.name for c in CASES],
                         help="Cases to run; must include every case the selected rows read (unless --reduced).")
     parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
-                        help="Q3 rows to evaluate; only the runs they need are run (default: all).")
+                        help="Q3 rows (and conformance: the backend against the emulation) to evaluate; only the runs they "
+                             "need are run (default: all).")
     parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (their rows fail).")
     parser.add_argument("--reuse_runs", type=bool, default=False,
                         help="Read the runs already under --out instead of running them again (re-report).")
