@@ -1,11 +1,13 @@
-"""Backend conformance: a backend's quantisations and GEMMs against the emulation, on its own device (docs/acceptance.md).
+"""Backend conformance: a backend's quantisations and GEMMs on its device against the emulation (docs/acceptance.md).
 
 :func:`run_conformance` runs every operation a backend implements — ``quantize`` and
 ``quantize_dual`` (MXFP8 row / col / grouped col, HiF8 per-tensor / per-group),
 ``low_precision_matmul`` (NN / NT / TN, each output dtype) and ``low_precision_grouped_matmul``
 (split M: NN / NT, split K: TN; with empty and uneven groups) — through the public entry points of
-:mod:`lp_lightning.ops.api`, once with ``backend=<the backend>`` and once with
-``backend="emulated"`` on the same inputs on the same device, and compares:
+:mod:`lp_lightning.ops.api`, once with ``backend=<the backend>`` on its device and once with
+``backend="emulated"`` on the CPU, on the same inputs (the emulation's codecs are the tested
+bit-exact model on the CPU; on another device its own torch kernels — a vector division, a float8
+cast — would be under test too), and compares:
 
 - **quantize**: data codes and scales bit for bit (MXFP8 E4M3 / E8M0 bytes, HiF8 codes and the
   FP32 scale's bits), the worst element named with its input value;
@@ -37,6 +39,7 @@ Tensor-name legend: ``x_*`` high-precision inputs, ``M``/``K``/``N`` GEMM dims, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -68,6 +71,10 @@ __all__ = [
 
 REFERENCE_BACKEND = "emulated"
 """The backend every other one is compared with (the bit-exact model of the formats)."""
+
+_REFERENCE_DEVICE = torch.device("cpu")
+"""Where the reference runs: the emulation's codecs are the tested bit-exact model on the CPU; on
+another device its own torch kernels (a vector division, a float8 cast) would be under test too."""
 
 CONFORMANCE_FORMATS: tuple[str, ...] = ("mxfp8_e4m3", "hif8")
 """The formats whose operations :func:`run_conformance` knows how to exercise."""
@@ -464,7 +471,6 @@ def _run(case: ConformanceCase, body: Callable[[], None], backend: str, events_o
 def _quantize_case(backend: str, device: torch.device, fmt: str, op: str, role: QuantizationRole, item: _Input,
                    orientation: str | None, tag: str, group_list: Sequence[int] | None = None) -> ConformanceCase:
     quantizer = recipe_for(fmt).quantizer(role)
-    x = item.x.to(device)
     params: dict[str, Any] = {"input": tag, "dtype": str(item.x.dtype).removeprefix("torch."),
                               "shape": list(item.x.shape), "role": role.value}
     if orientation is not None:
@@ -473,15 +479,17 @@ def _quantize_case(backend: str, device: torch.device, fmt: str, op: str, role: 
         params["group_list"] = list(group_list)
     what = f"{orientation or 'row+col'}{' grouped' if group_list is not None else ''}"
     case = ConformanceCase(f"{op} {fmt} {what} {params['dtype']} {list(item.x.shape)} ({tag})", op, fmt, params)
-    groups = None if group_list is None else torch.tensor(group_list, dtype=torch.int64, device=device)
+    groups = None if group_list is None else torch.tensor(group_list, dtype=torch.int64)
+
+    def run(name: str, on: torch.device) -> tuple[QuantizedOperand, ...]:
+        x_on = item.x.to(on)
+        if op == "quantize":
+            return (api.quantize(quantizer, x_on, orientation=orientation,
+                                 group_list=None if groups is None else groups.to(on), backend=name),)
+        return tuple(api.quantize_dual(quantizer, x_on, backend=name))
 
     def body() -> None:
-        if op == "quantize":
-            run = lambda name: (api.quantize(quantizer, x, orientation=orientation, group_list=groups,
-                                             backend=name),)
-        else:
-            run = lambda name: api.quantize_dual(quantizer, x, backend=name)
-        seen, reference = run(backend), run(REFERENCE_BACKEND)
+        seen, reference = run(backend, device), run(REFERENCE_BACKEND, _REFERENCE_DEVICE)
         for s, r in zip(seen, reference):
             label = r.orientation
             _compare_bits(case, f"{label} data", s.data, r.data, item.x)
@@ -497,7 +505,16 @@ def _quantize_case(backend: str, device: torch.device, fmt: str, op: str, role: 
 
 
 def _decoded64(operand: QuantizedOperand) -> torch.Tensor:
-    return operand.format.dequantize(operand).to(torch.float64).cpu()
+    """The operand's exact values (scales applied) in float64; ``operand`` is a CPU reference operand."""
+    return operand.format.dequantize(operand).to(torch.float64)
+
+
+def _on(operand: QuantizedOperand, device: torch.device) -> QuantizedOperand:
+    """A copy of a (CPU) operand on ``device``: the same bytes, no cached decoded values."""
+    return dataclasses.replace(
+        operand, data=operand.data.to(device), scale=operand.scale.to(device), values=None,
+        group_list=None if operand.group_list is None else operand.group_list.to(device),
+    )
 
 
 def _op(matrix: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -527,9 +544,9 @@ def _compare_gemm(case: ConformanceCase, out: torch.Tensor, ref: torch.Tensor, a
                       "ratio": float(ratio.reshape(-1)[flat])}
 
 
-def _gemm_operands(fmt: str, layout: str, gen: torch.Generator, device: torch.device,
+def _gemm_operands(fmt: str, layout: str, gen: torch.Generator,
                    m: int = 40, k: int = 96, n: int = 24) -> tuple[QuantizedOperand, QuantizedOperand]:
-    """Emulation-quantized operands of ``op(left) [m, k] @ op(right) [k, n]``, with a zero block in each."""
+    """Emulation-quantized CPU operands of ``op(left) [m, k] @ op(right) [k, n]``, with a zero block in each."""
     recipe = recipe_for(fmt)
     left_shape = (m, k) if layout[0] == "N" else (k, m)
     right_shape = (k, n) if layout[1] == "N" else (n, k)
@@ -539,9 +556,9 @@ def _gemm_operands(fmt: str, layout: str, gen: torch.Generator, device: torch.de
     x_right = _wide_random(gen, right_shape, -3, 3)
     x_left[:8, :32] = 0.0
     x_right[-32:, -8:] = 0.0
-    left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_FWD), x_left.to(torch.bfloat16).to(device),
+    left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_FWD), x_left.to(torch.bfloat16),
                         orientation=left_orientation, backend=REFERENCE_BACKEND)
-    right = api.quantize(recipe.quantizer(QuantizationRole.WEIGHT_FWD), x_right.to(torch.bfloat16).to(device),
+    right = api.quantize(recipe.quantizer(QuantizationRole.WEIGHT_FWD), x_right.to(torch.bfloat16),
                          orientation=right_orientation, backend=REFERENCE_BACKEND)
     return left, right
 
@@ -552,8 +569,9 @@ def _matmul_case(backend: str, device: torch.device, fmt: str, layout: str, outp
                            {"layout": layout, "output_dtype": dtype_name, "m": 40, "k": 96, "n": 24})
 
     def body() -> None:
-        left, right = _gemm_operands(fmt, layout, _generator(), device)
-        out = api.low_precision_matmul(left, right, layout=layout, output_dtype=output_dtype, backend=backend)
+        left, right = _gemm_operands(fmt, layout, _generator())
+        out = api.low_precision_matmul(_on(left, device), _on(right, device), layout=layout,
+                                       output_dtype=output_dtype, backend=backend)
         ref = api.low_precision_matmul(left, right, layout=layout, output_dtype=output_dtype, backend=REFERENCE_BACKEND)
         a, b = _op(_decoded64(left), layout[0] == "T"), _op(_decoded64(right), layout[1] == "T")
         _compare_gemm(case, out, ref, a.abs() @ b.abs(), a.shape[1], output_dtype)
@@ -573,26 +591,26 @@ def _grouped_case(backend: str, device: torch.device, fmt: str, layout: str, out
 
     def body() -> None:
         gen = _generator()
-        groups = torch.tensor(_GROUP_LIST, dtype=torch.int64, device=device)
+        groups = torch.tensor(_GROUP_LIST, dtype=torch.int64)
         counts = list(_GROUP_LIST)
         if layout == "TN":  # wgrad: out[g] = x_gᵀ · dy_g, both col operands quantized per group
-            x_TK = _wide_random(gen, (tokens, k), -3, 3).to(torch.bfloat16).to(device)
-            dy_TN = _wide_random(gen, (tokens, n), -3, 3).to(torch.bfloat16).to(device)
+            x_TK = _wide_random(gen, (tokens, k), -3, 3).to(torch.bfloat16)
+            dy_TN = _wide_random(gen, (tokens, n), -3, 3).to(torch.bfloat16)
             left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_BWD), x_TK, orientation="col",
                                 group_list=groups, backend=REFERENCE_BACKEND)
             right = api.quantize(recipe.quantizer(QuantizationRole.GRAD_OUTPUT), dy_TN, orientation="col",
                                  group_list=groups, backend=REFERENCE_BACKEND)
         else:  # fprop NN: x [T, K] · W[g] [K, N]; dgrad NT: dy [T, N] · W[g]ᵀ, W in the GMM view [E, K, N]
             width = k if layout == "NN" else n
-            x_TC = _wide_random(gen, (tokens, width), -3, 3).to(torch.bfloat16).to(device)
+            x_TC = _wide_random(gen, (tokens, width), -3, 3).to(torch.bfloat16)
             w_EKN = _wide_random(gen, (len(counts), k, n), -3, 3)
             w_EKN[2] = 0.0
             left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_FWD), x_TC, orientation="row",
                                 backend=REFERENCE_BACKEND)
-            right = api.quantize(recipe.quantizer(QuantizationRole.WEIGHT_FWD), w_EKN.to(torch.bfloat16).to(device),
+            right = api.quantize(recipe.quantizer(QuantizationRole.WEIGHT_FWD), w_EKN.to(torch.bfloat16),
                                  orientation="col" if layout == "NN" else "row", backend=REFERENCE_BACKEND)
-        out = api.low_precision_grouped_matmul(left, right, groups, layout=layout, output_dtype=output_dtype,
-                                               backend=backend)
+        out = api.low_precision_grouped_matmul(_on(left, device), _on(right, device), groups.to(device),
+                                               layout=layout, output_dtype=output_dtype, backend=backend)
         ref = api.low_precision_grouped_matmul(left, right, groups, layout=layout, output_dtype=output_dtype,
                                                backend=REFERENCE_BACKEND)
         a_TC, b = _decoded64(left), _decoded64(right)
@@ -797,12 +815,12 @@ def run_conformance(
     device: torch.device | str,
     formats: Sequence[str] = CONFORMANCE_FORMATS,
 ) -> ConformanceResult:
-    """Every operation of ``backend`` on ``device`` against the emulation on the same inputs (module docstring).
+    """Every operation of ``backend`` on ``device`` against the emulation (on the CPU) on the same inputs (module docstring).
 
     Args:
         backend: A registered backend name (``"npu"``; ``"emulated"`` compares the emulation with itself
             and settles no open question).
-        device: Where both backends run (``"npu:0"``, ``"cpu"``); inputs are built on the CPU and moved there.
+        device: Where ``backend`` runs (``"npu:0"``, ``"cpu"``); inputs and the reference stay on the CPU.
         formats: Registry names, a subset of :data:`CONFORMANCE_FORMATS`.
 
     Returns:
