@@ -272,7 +272,7 @@ def _mx_tile(kind: str, gen: torch.Generator, rows: int) -> tuple[torch.Tensor, 
         special = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf}[kind]
         return torch.where(eye, special, torch.randn((rows, 32), generator=gen)), f"{kind}_block"
     if kind == "tiny":  # the smallest E8M0 scales (2^-127 clamps) and FP32 subnormal inputs
-        exponents = torch.randint(-149, -118, (rows, 32), generator=gen).to(torch.float32)
+        exponents = torch.randint(-149, -108, (rows, 32), generator=gen).to(torch.float32)
         return torch.exp2(exponents) * torch.where(torch.rand((rows, 32), generator=gen) < 0.5, -1.0, 1.0), "tiny_block"
     if kind == "fp32_max":  # within 3 % of the FP32 maximum (RCEIL's one overflow case)
         return (torch.rand((rows, 32), generator=gen) * 0.02 + 0.975) * 3.4e38, "fp32_max_block"
@@ -423,25 +423,49 @@ def _compare_bits(case: ConformanceCase, tensor_name: str, seen: torch.Tensor, r
         case.worst = worst
 
 
+def _block_mask(mask: torch.Tensor, orientation: str) -> torch.Tensor:
+    """The 32-blocks (in the MX scale's layout) that hold a labelled element of ``mask`` (2-D)."""
+    m = mask if orientation == "row" else mask.T
+    blocks = -(-m.shape[-1] // 32)
+    padded = torch.zeros((m.shape[0], blocks * 32), dtype=torch.bool)
+    padded[:, : m.shape[-1]] = m
+    out = padded.reshape(m.shape[0], blocks, 32).any(-1)
+    return out if orientation == "row" else out.T
+
+
+def _note(case: ConformanceCase, label: str, mask: torch.Tensor, seen: torch.Tensor, reference: torch.Tensor,
+          x: torch.Tensor | None) -> None:
+    """Adds the codes at ``mask`` to the case's observation ``label`` (count, differ, codes, first example)."""
+    seen_codes, ref_codes = seen[mask], reference[mask]
+    entry = case.observations.setdefault(label, {"count": 0, "differ": 0, "seen": [], "expected": []})
+    entry["count"] += int(mask.sum())
+    entry["differ"] += int((seen_codes != ref_codes).sum())
+    for key, codes in (("seen", seen_codes), ("expected", ref_codes)):
+        entry[key] = sorted(set(entry[key]) | {f"0x{int(c):02X}" for c in codes.unique()[:16]})
+    bad = (seen_codes != ref_codes).nonzero()
+    if bad.numel() and "example" not in entry:
+        i = int(bad[0])
+        entry["example"] = {"input": None if x is None else float(x[mask].to(torch.float32)[i]),
+                            "seen": f"0x{int(seen_codes[i]):02X}", "expected": f"0x{int(ref_codes[i]):02X}"}
+
+
 def _observe(case: ConformanceCase, item: _Input, seen: QuantizedOperand, reference: QuantizedOperand) -> None:
-    """Per edge label: how many elements differ and which codes the backend / the emulation gave there."""
+    """Per edge label: how many element codes differ and which codes the backend / the emulation gave
+    there; for MX block scales also the scale codes of the blocks holding such elements (``"<label> scale"``)."""
     if seen.data.shape != reference.data.shape:
         return
+    if reference.scale.dtype == torch.float8_e8m0fnu and reference.group_list is not None:
+        return  # grouped MX blocks stop at group ends, not at the input's 32x32 edge tiles
     a, b = _bytes(seen.data), _bytes(reference.data)
+    block_scales = (reference.scale.dtype == torch.float8_e8m0fnu and reference.group_list is None
+                    and reference.data.dim() == 2 and seen.scale.shape == reference.scale.shape)
     for label, mask in item.labels.items():
         if mask.shape != a.shape or not bool(mask.any()):
             continue
-        seen_codes, ref_codes = a[mask], b[mask]
-        entry = case.observations.setdefault(label, {"count": 0, "differ": 0, "seen": [], "expected": []})
-        entry["count"] += int(mask.sum())
-        entry["differ"] += int((seen_codes != ref_codes).sum())
-        for key, codes in (("seen", seen_codes), ("expected", ref_codes)):
-            entry[key] = sorted(set(entry[key]) | {f"0x{int(c):02X}" for c in codes.unique()[:16]})
-        bad = (seen_codes != ref_codes).nonzero()
-        if bad.numel() and "example" not in entry:
-            i = int(bad[0])
-            entry["example"] = {"input": float(item.x[mask].to(torch.float32)[i]),
-                                "seen": f"0x{int(seen_codes[i]):02X}", "expected": f"0x{int(ref_codes[i]):02X}"}
+        _note(case, label, mask, a, b, item.x)
+        if block_scales:
+            _note(case, f"{label} scale", _block_mask(mask, reference.orientation), _bytes(seen.scale),
+                  _bytes(reference.scale), None)
 
 
 def _ran(events: Iterable[Any], case: ConformanceCase, backend: str) -> None:
@@ -765,12 +789,15 @@ def _verdicts(backend: str, formats: Sequence[str], cases: list[ConformanceCase]
                             ("-inf_block", "block with -Inf"), ("tie", "E4M3 ties (half to even)"),
                             ("zero_block", "all-zero block"), ("tiny_block", "smallest scales / FP32 subnormals"),
                             ("fp32_max_block", "blocks near the FP32 maximum")):
-            text, ok = _codes_line(name, _observed(cases, "mxfp8_e4m3", label))
-            parts.append(text)
-            seen.append(ok)
+            texts = []
+            for suffix, what in (("", "codes"), (" scale", "scale")):
+                text, ok = _codes_line(what, _observed(cases, "mxfp8_e4m3", label + suffix))
+                texts.append(text)
+                seen.append(ok)
+            parts.append(f"{name}: {', '.join(texts)}")
         scales_ok = all(c.ok for c in cases if c.format == "mxfp8_e4m3" and c.op.startswith("quantize"))
         verdicts.append(OpenQuestionVerdict("Q5", _status([*seen, scales_ok]),
-                                            "MX quantize element codes: " + "; ".join(parts)
+                                            "MX quantize: " + "; ".join(parts)
                                             + ("; scales bit-identical" if scales_ok else "; scales or codes differ")))
         quant_ok = sum(c.ok for c in cases if c.format == "mxfp8_e4m3" and c.op.startswith("quantize"))
         quant_n = sum(1 for c in cases if c.format == "mxfp8_e4m3" and c.op.startswith("quantize"))
