@@ -292,6 +292,7 @@ ROW_RUNS: dict[str, tuple[str, ...]] = {
     "Q3-09": tuple(f"{k}/{c}" for k in ("main", "resume") for c in _ALL),
     "Q3-10": (),
     "Q3-11": tuple(f"main/{c}" for c in _ALL),
+    "conformance": (),  # no run: the backend against the emulation in st itself (st/conformance_row.py)
 }
 """The runs whose evidence each Q3 row reads (the report's §17.4 section also reads the bf16 variant runs)."""
 

@@ -37,6 +37,7 @@ from jsonargparse import ArgumentParser
 
 from lp_lightning.usage import usage_error_text
 from lp_lightning.models.adapter import adapter_for_config
+from lp_lightning.st.conformance_row import conformance_rows, conformance_target
 from lp_lightning.st.cases import (
     CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
 )
@@ -90,7 +91,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--cases", type=list[str], default=[c.name for c in CASES],
                         help="Cases to run; must include every case the selected rows read (unless --reduced).")
     parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
-                        help="Q3 rows to evaluate; only the runs they need are run (default: all).")
+                        help="Q3 rows (and conformance: the backend against the emulation) to evaluate; only the runs they "
+                             "need are run (default: all).")
     parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (their rows fail).")
     parser.add_argument("--reuse_runs", type=bool, default=False,
                         help="Read the runs already under --out instead of running them again (re-report).")
@@ -114,7 +116,7 @@ def _user_settings(
     never_replace = model_never_replace(parsed.model.config_name_or_path)
     devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
     devices = max(int(devices), 2) if str(devices).isdigit() else 2
-    meta = {"config": config or "embedded default (dsv3-tiny)"}
+    meta = {"config": config or "embedded default (dsv3-tiny)", **conformance_target(parsed)}
     return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta
 
 
@@ -339,6 +341,7 @@ def _st(
         numerics_rows.append(short_run_checks(runs, settings))
     rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,
                          targets=targets, never_replace=never_replace, only=args.rows)
+    rows += conformance_rows(out, meta, args.rows)  # docs/acceptance.md "Backend conformance"
     meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
                 user_reshard_after_forward=reshard_after_forward, skipped_parts=list(args.skip),
                 cases=[c.name for c in cases], selected_rows=list(args.rows))

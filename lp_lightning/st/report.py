@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lp_lightning.st.cases import CASES, STSettings, build_runs
+from lp_lightning.st.conformance_row import conformance_section
 from lp_lightning.st.rows import Row, steady_performance, unit_roundoff
 from lp_lightning.st.runner import RunResult
 from lp_lightning.st.sections import report_sections, sections_markdown
@@ -544,5 +545,6 @@ def write_report(
     md += _performance_markdown(perf) if any(c.name in perf for c in CASES) else [
         "Not measured: no main run ran (`--cases`/`--rows` selected none).", ""]
     md += sections_markdown(report["sections"])
+    md += conformance_section(out, rows)
     (out / "report.md").write_text("\n".join(md) + "\n")
     return report
