@@ -73,13 +73,19 @@ class Check:
 
 @dataclass
 class Row:
-    """One Q3 row: its checks, verdict, evidence (numbers and file paths) and notes."""
+    """One Q3 row: its checks, verdict, evidence (numbers and file paths) and notes.
+
+    ``thresholds`` lists the dotted threshold keys its checks read (:mod:`lp_lightning.st.thresholds`);
+    ``provisional`` marks a pass that rests on a built-in one (``thresholds.mark_provisional``).
+    """
 
     id: str
     checks: list[Check] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     not_applicable: str | None = None
+    thresholds: list[str] = field(default_factory=list)
+    provisional: bool = False
 
     @property
     def title(self) -> str:
@@ -92,6 +98,11 @@ class Row:
         if self.not_applicable or all(c.not_applicable for c in self.checks):
             return "not-applicable"
         return "pass"
+
+    @property
+    def shown_verdict(self) -> str:
+        """The verdict as the report and the console show it: ``pass (provisional thresholds)`` when provisional."""
+        return f"{self.verdict} (provisional thresholds)" if self.provisional and self.verdict == "pass" else self.verdict
 
     def check(self, name: str, ok: bool, observed: Any, expected: Any) -> bool:
         self.checks.append(Check(name, bool(ok), observed, expected))
@@ -118,6 +129,8 @@ class Row:
             "checks": [c.as_dict() for c in self.checks],
             "evidence": self.evidence,
             "notes": list(self.notes),
+            "thresholds": list(self.thresholds),
+            "provisional": self.provisional and self.verdict == "pass",
         }
 
 
