@@ -18,7 +18,9 @@ the selected rows read, ``--required_steps`` >= 20 and ``--steady_steps`` >= ``-
 (design spec §17.2/§17.4), unless ``--reduced true`` marks a smoke run (the report says so);
 ``--devices`` >= 1 (with 1 process the FSDP rows Q3-05…Q3-08 are ``not-applicable`` unless a check
 fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` made with the same
-``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``).
+``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``);
+``--thresholds`` names a valid thresholds YAML (:mod:`lp_lightning.st.thresholds`; every problem is
+listed); an NPU numerics target (the YAML's ``trainer.accelerator npu``) needs an importable torch_npu.
 """
 
 from __future__ import annotations
@@ -146,14 +148,14 @@ def _log(message: str) -> None:
 
 def _numerics(out: Path, meta: dict[str, Any], thresholds: Thresholds) -> tuple[dict[str, Any], list[Row]]:
     """N-1/N-2 on the run's device and backend (``meta`` ``numerics_device``/``numerics_backend``)."""
-    target = {"device": meta["numerics_device"], "backend": meta["numerics_backend"], "thresholds": thresholds}
-    operators = operator_numerics(**target)
-    one_layer = one_layer_comparison(**target)
+    target = {"device": meta["numerics_device"], "backend": meta["numerics_backend"]}
+    operators = operator_numerics(**target, thresholds=thresholds)
+    one_layer = one_layer_comparison(**target, thresholds=thresholds)
     plot_operator_numerics(operators, out / "operator_numerics.png")
     plot_one_layer(one_layer, out / "one_layer.png")
     n1 = Row("N-1", evidence={"device": target["device"], "backends": sorted({e["backend"] for e in operators})})
     for entry in operators:
-        n1.thresholds.append(entry["threshold"])
+        thresholds.get(n1, "operator_sqnr_floor_db", entry["precision"], entry["role"])  # the floor it read
         n1.check(
             f"{entry['operator']} {entry['format']} {entry['tensor']} ({entry['role']})",
             bool(entry["pass"]),
@@ -163,7 +165,8 @@ def _numerics(out: Path, meta: dict[str, Any], thresholds: Thresholds) -> tuple[
     n2 = Row("N-2", evidence={"device": target["device"], "backends": sorted(
         {b for case in one_layer["cases"].values() for b in case["gemm_backends"]})})
     for precision, comparison in (one_layer.get("comparisons") or {}).items():
-        n2.thresholds += [f"one_layer_sqnr_floor_db.{precision}.{role}" for role in comparison["bands"]["sqnr_floors_db"]]
+        for role in comparison["bands"]["sqnr_floors_db"]:  # the floors its bands derive from
+            thresholds.get(n2, "one_layer_sqnr_floor_db", precision, role)
         bands = comparison.get("bands", {})
         n2.check(f"{precision}: one-step loss within the band of bf16", bool(comparison.get("loss_pass")),
                  f"rel {float(comparison.get('loss_rel_diff', 'nan')):.2e}", f"<= {float(bands.get('loss_rel_band', 'nan')):.3g}")
@@ -179,7 +182,7 @@ def _numerics(out: Path, meta: dict[str, Any], thresholds: Thresholds) -> tuple[
     numerics = {
         "operators": operators,
         "one_layer": one_layer,
-        "target": {k: v for k, v in target.items() if k != "thresholds"},
+        "target": target,
         "plots": {"operator_numerics": "operator_numerics.png", "one_layer": "one_layer.png"},
     }
     return numerics, [n1, n2]

@@ -6,7 +6,8 @@ finish fails on the check "run finished". Q3-11 is ``not-applicable`` on the emu
 emulation models the hardware's numerics, not its speed, so its ratios are reported as the
 emulation's cost and never as a hardware pass or fail.
 
-Tolerances (written into the report next to the observed values) come from the formats
+Tolerances (written into the report next to the observed values) are the thresholds of
+:mod:`lp_lightning.st.thresholds` (``--thresholds FILE``); their built-in values come from the formats
 (docs/numerics.md §8.3: rounding noise lies between ε·O(1) and ε·√k): with ``u`` the unit roundoff
 (ε/2) of the element format a recipe's GEMMs read (BF16 2^-8, E4M3 and HiF8 near 1.0 2^-4):
 

@@ -5,7 +5,8 @@ its verdict is ``pass`` when every check holds, ``fail`` otherwise (also when it
 ``not-applicable`` when every check holds but the row cannot be judged here (Q3-11 on the emulated
 backend, the FSDP rows with one process) or when every check is itself not applicable. A check that
 compared nothing (no event, pair or rank) never holds: it fails, or it is not applicable with the
-reason (:meth:`Row.check_compared`). The tolerances are in :mod:`lp_lightning.st.rows`.
+reason (:meth:`Row.check_compared`). The tolerances are in :mod:`lp_lightning.st.thresholds`; a pass
+that rests on a built-in one is shown ``pass (provisional thresholds)`` (:attr:`Row.shown_verdict`).
 """
 
 from __future__ import annotations

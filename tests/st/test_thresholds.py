@@ -2,6 +2,7 @@
 
 - ``configs/st_thresholds.yaml`` holds exactly the built-ins, one comment per key.
 - A bad file stops ``st`` with exit 2 before anything runs, every problem at once, each naming its key.
+- The N-1 floors and the N-2 bands read the thresholds (a stricter floor fails exactly its rows).
 - Round trip through ``st`` (re-reporting synthetic main runs, no ``fit``): without a file the rows that
   read a threshold pass ``provisional``ly (report.json, report.md, the console line, the summary count);
   a stricter file turns Q3-11's pass into a fail, and report.json records the file verbatim.
@@ -18,6 +19,7 @@ import yaml
 
 from lp_lightning.cli import main
 from lp_lightning.st.cases import STSettings, build_runs
+from lp_lightning.st.numerics import _bands, operator_numerics
 from lp_lightning.st.runner import run_config
 from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, THRESHOLD_KEYS, load_thresholds, mark_provisional
 from lp_lightning.st.verdict import Row
@@ -163,3 +165,21 @@ def test_thresholds_round_trip_through_st(capsys, tmp_path):
     assert recorded["from_file"] == ["min_throughput_ratio"] and recorded["values"]["min_throughput_ratio"] == 1.5
     assert "From `--thresholds " in md and "| `min_throughput_ratio` | 1.5 | file |" in md
     assert "# the owner's bar after the first A5 collection" in md  # the file, verbatim
+
+
+def test_the_numerics_floors_come_from_the_thresholds(tmp_path):
+    path = tmp_path / "strict.yaml"
+    path.write_text("operator_sqnr_floor_db: {mxfp8: {fprop: 40}}\none_layer_sqnr_floor_db: {hif8: {dgrad: 30}}\n")
+    strict = load_thresholds(path)
+    rows = operator_numerics(seed=0, precisions=["mxfp8"], thresholds=strict)
+    failed = {(r["operator"], r["tensor"]) for r in rows if not r["pass"]}
+    assert failed == {("dense", "output"), ("grouped", "output")}  # ≈ 28.5 dB < 40 dB; dgrad/wgrad keep 26.5
+    assert {r["threshold"]: r["sqnr_floor_db"] for r in rows} == {
+        "operator_sqnr_floor_db.mxfp8.fprop": 40.0, "operator_sqnr_floor_db.mxfp8.dgrad": 26.5,
+        "operator_sqnr_floor_db.mxfp8.wgrad": 26.5}
+    gemms = {"dense_fprop": 9, "dense_dgrad": 9, "dense_wgrad": 9}
+    builtin, owner = _bands("hif8", gemms), _bands("hif8", gemms, strict)
+    assert builtin["sqnr_floors_db"] == {"fprop": 26.5, "dgrad": 22.5, "wgrad": 22.5}
+    assert owner["sqnr_floors_db"] == {"fprop": 26.5, "dgrad": 30.0, "wgrad": 22.5}
+    assert owner["grad_norm_rel_band"] == builtin["grad_norm_rel_band"]  # ε_min: wgrad's 22.5 dB still the lowest
+    assert owner["loss_rel_band"] == pytest.approx(10 ** (-26.5 / 20) * 3)
