@@ -251,10 +251,14 @@ def mark_provisional(rows: Iterable[Row], thresholds: Thresholds) -> None:
     """Marks every row that passes on a built-in threshold ``provisional`` (design spec §17.2).
 
     A row's thresholds are the leaves it read (:meth:`Thresholds.get`); a fail or not-applicable
-    verdict is never provisional.
+    verdict is never provisional. A provisional row gets a note naming its built-in leaves.
     """
     for row in rows:
-        row.provisional = row.verdict == "pass" and any(thresholds.is_builtin(k) for k in row.thresholds)
+        built_in = [k for k in row.thresholds if thresholds.is_builtin(k)]
+        row.provisional = row.verdict == "pass" and bool(built_in)
+        if row.provisional:
+            row.notes.append(f"Provisional: passes on built-in thresholds ({', '.join(built_in)}); the owner's "
+                             "--thresholds file makes it final (docs/acceptance.md, Thresholds).")
 
 
 def thresholds_markdown(thresholds: Thresholds) -> list[str]:
@@ -273,5 +277,5 @@ def thresholds_markdown(thresholds: Thresholds) -> list[str]:
         lines.append(f"| `{leaf}` | {value:g} | {'built-in (provisional)' if thresholds.is_builtin(leaf) else 'file'} |")
     if thresholds.text is not None:
         lines += ["", "The file, verbatim:", "", "```yaml", thresholds.text.rstrip("\n"), "```"]
-    return lines + [""]
+    return lines
 

@@ -57,6 +57,9 @@ def test_a_partial_file_keeps_the_other_built_ins_and_marks_only_their_rows_prov
     mark_provisional([on_file, mixed, failed], owner)
     assert [r.provisional for r in (on_file, mixed, failed)] == [False, True, False]
     assert mixed.shown_verdict == "pass (provisional thresholds)" and failed.shown_verdict == "fail"
+    assert mixed.notes == ["Provisional: passes on built-in thresholds (operator_sqnr_floor_db.hif8.wgrad); the "
+                           "owner's --thresholds file makes it final (docs/acceptance.md, Thresholds)."]
+    assert on_file.notes == [] == failed.notes
     assert mixed.as_dict()["thresholds"] == ["operator_sqnr_floor_db.hif8.dgrad", "operator_sqnr_floor_db.hif8.wgrad"]
 
 
