@@ -224,9 +224,10 @@ def load_thresholds(path: str | Path) -> Thresholds:
                          "(configs/st_thresholds.yaml is an example).") from None
     if data is None:
         data = {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"--thresholds {str(file)!r}: a map of keys {sorted(THRESHOLD_KEYS)} is expected, got "
-                         f"{type(data).__name__}; see configs/st_thresholds.yaml.")
+    if not isinstance(data, Mapping):  # a bad file is a ValueError whatever is wrong in it (the CLI exits 2)
+        raise ValueError(  # noqa: TRY004
+            f"--thresholds {str(file)!r}: a map of keys {sorted(THRESHOLD_KEYS)} is expected, got "
+            f"{type(data).__name__}; see configs/st_thresholds.yaml.")
     builtin = BUILTIN_THRESHOLDS.values
     problems: list[str] = []
     leaves: dict[str, float] = {}
@@ -265,9 +266,9 @@ def thresholds_markdown(thresholds: Thresholds) -> list[str]:
     """The report.md section: the file (or the built-ins), every leaf with its value and source."""
     lines = ["## Thresholds", ""]
     if thresholds.path is None:
-        lines += ["No `--thresholds` file: every tolerance is the built-in value, and each row that passes on one "
-                  "reads **pass (provisional thresholds)** (design spec §17.2: the algorithm owner freezes the "
-                  "thresholds after the first A5 collection).", ""]
+        lines += [("No `--thresholds` file: every tolerance is the built-in value, and each row that passes on one "
+                   "reads **pass (provisional thresholds)** (design spec §17.2: the algorithm owner freezes the "
+                   "thresholds after the first A5 collection)."), ""]
     else:
         built = [k for k in _leaves(thresholds.values) if thresholds.is_builtin(k)]
         lines += [f"From `--thresholds {thresholds.path}`" + (f"; {len(built)} leaves it leaves out are built-in "

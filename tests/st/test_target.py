@@ -23,7 +23,7 @@ from lp_lightning.st.numerics import one_layer_comparison, operator_numerics
 from lp_lightning.st.target import NumericsTarget, check_numerics_device, numerics_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))  # the op fake lives with the op tests
-from fake_torch_npu import FakeTorchNpu  # noqa: E402
+from fake_torch_npu import FakeTorchNpu
 
 
 @pytest.mark.parametrize(("accelerator", "backend", "device", "resolved"), [

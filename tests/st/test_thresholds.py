@@ -57,8 +57,8 @@ def test_a_partial_file_keeps_the_other_built_ins_and_marks_only_their_rows_prov
     mark_provisional([on_file, mixed, failed], owner)
     assert [r.provisional for r in (on_file, mixed, failed)] == [False, True, False]
     assert mixed.shown_verdict == "pass (provisional thresholds)" and failed.shown_verdict == "fail"
-    assert mixed.notes == ["Provisional: passes on built-in thresholds (operator_sqnr_floor_db.hif8.wgrad); the "
-                           "owner's --thresholds file makes it final (docs/acceptance.md, Thresholds)."]
+    assert mixed.notes == [("Provisional: passes on built-in thresholds (operator_sqnr_floor_db.hif8.wgrad); the "
+                            "owner's --thresholds file makes it final (docs/acceptance.md, Thresholds).")]
     assert on_file.notes == [] == failed.notes
     assert mixed.as_dict()["thresholds"] == ["operator_sqnr_floor_db.hif8.dgrad", "operator_sqnr_floor_db.hif8.wgrad"]
 
@@ -83,8 +83,8 @@ def test_a_bad_file_lists_every_problem_naming_the_key(tmp_path):
     for words in ("resume_first_loss_rel.mxfp8: 2.0 is out of range; it must be finite, > 0 and <= 1 (built-in 0.0625)",
                   "resume_first_loss_rel.fp4: unknown key; resume_first_loss_rel takes ['bf16', 'hif8', 'mxfp8']",
                   "short_run_loss_rel: a map of ['hif8', 'mxfp8'] is expected, got float 0.01",
-                  "operator_sqnr_floor_db.hif8.fprop: a number is expected, got str 'high'; write e.g. "
-                  "operator_sqnr_floor_db.hif8.fprop: 26.5",
+                  ("operator_sqnr_floor_db.hif8.fprop: a number is expected, got str 'high'; write e.g. "
+                   "operator_sqnr_floor_db.hif8.fprop: 26.5"),
                   "min_throughput_ratio: a number is expected, got bool True",
                   "max_step_time_ratio: nan is out of range",
                   "tolerance: unknown key; thresholds are ['max_step_time_ratio',"):
