@@ -47,7 +47,7 @@ from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, pl
 from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
 from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
-from lp_lightning.st.target import NumericsTarget, check_numerics_device, numerics_target
+from lp_lightning.st.target import check_numerics_device, numerics_target
 from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, Thresholds, load_thresholds, mark_provisional
 from lp_lightning.versions import software_versions
 
@@ -311,8 +311,7 @@ def _st(
     reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
     try:
         if "numerics" not in args.skip:  # an NPU target without torch_npu stops before any run
-            check_numerics_device(NumericsTarget(meta["numerics_accelerator"], meta["numerics_device"],
-                                                 meta["numerics_backend"]))
+            check_numerics_device(meta["numerics_device"])
     except RuntimeError as err:
         parser.error(str(err))
     if args.devices is None:

@@ -87,6 +87,7 @@ from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import precision_plugin
 from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.ops import GemmTraceEvent, record_gemms
+from lp_lightning.st.target import check_numerics_device
 from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, Thresholds
 from lp_lightning.tensor import QuantizedWeightTensor
 
@@ -278,12 +279,13 @@ def operator_numerics(
 
     Raises:
         ValueError: for an unknown name in ``precisions``.
-        RuntimeError: the BF16 golden is not within ``GOLDEN_MIN_SQNR_DB`` of FP64 (it could not
+        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_numerics_device``), or
+            the BF16 golden is not within ``GOLDEN_MIN_SQNR_DB`` of FP64 (it could not
             stand in for FP64), or an operator did not emit exactly one GEMM per tensor.
     """
     rows: list[dict[str, Any]] = []
     formats = _formats(precisions)
-    target = torch.device(device)
+    target = check_numerics_device(device)
     with _eager_codecs():
         for operator, reference in (("dense", _dense_reference), ("grouped", _grouped_reference)):
             x_cpu, master_cpu, dy_cpu = _operator_inputs(operator, seed)
@@ -445,7 +447,8 @@ def one_layer_comparison(
 
     Raises:
         ValueError: for an unknown name in ``precisions``.
-        RuntimeError: a low-precision case ran no low-precision GEMM, or the bf16 case ran one.
+        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_numerics_device``), a
+            low-precision case ran no low-precision GEMM, or the bf16 case ran one.
     """
     start = time.perf_counter()
     batch, width = ONE_LAYER_BATCH
@@ -453,7 +456,7 @@ def one_layer_comparison(
     with _eager_codecs():
         vocab = _one_layer_vocab()
         ids = torch.randint(0, vocab, (batch, width), generator=torch.Generator().manual_seed(seed))
-        ids = ids.to(torch.device(device))
+        ids = ids.to(check_numerics_device(device))
         steps = {"bf16": _one_layer_step("bf16", seed, ids, backend)}
         for precision, _ in formats:
             steps[precision] = _one_layer_step(precision, seed, ids, backend)
@@ -562,7 +565,8 @@ def plot_operator_numerics(rows: Sequence[dict[str, Any]], path: str | Path) -> 
     bottom.set_yscale("log")
     bottom.set_ylabel("1 − cosine")
     bottom.set_xticks(xs, labels, fontsize=8)
-    fig.suptitle("design spec §17.3.2 layer 1: per-operator output/dinput/dweight against a BF16 golden")
+    where = ", ".join(sorted({f"{r.get('device', 'cpu')}, {r['backend']} backend" for r in rows}))
+    fig.suptitle(f"design spec §17.3.2 layer 1: per-operator output/dinput/dweight against a BF16 golden ({where})")
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -73,25 +73,28 @@ def numerics_target(accelerator: Any, backend: str = "auto") -> NumericsTarget:
     return NumericsTarget(accelerator=name, device=device, backend=resolved)
 
 
-def check_numerics_device(target: NumericsTarget) -> torch.device:
-    """The target's ``torch.device``, checked usable before any numerics run.
+def check_numerics_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, checked usable before any numerics run on it.
+
+    Args:
+        device: ``"cpu"``, ``"npu:0"``, ``"cuda:0"`` (:attr:`NumericsTarget.device`) or a ``torch.device``.
 
     Raises:
-        RuntimeError: an NPU target without an importable ``torch_npu`` or without a visible NPU, or a
-            CUDA target without CUDA; the message names the fix.
+        RuntimeError: an NPU device without an importable ``torch_npu`` or without a visible NPU, or a
+            CUDA device without CUDA; the message names the fix.
     """
-    kind = target.device.split(":")[0]
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     if kind == "npu":
         try:
             torch_npu = importlib.import_module("torch_npu")  # renames PrivateUse1 to "npu"
         except ImportError as err:
             raise RuntimeError(
-                f"st numerics on {target.device} (trainer.accelerator npu) need torch_npu, which does not import "
+                f"st numerics on {device} (trainer.accelerator npu) need torch_npu, which does not import "
                 f"({err}); install lp-lightning[npu] with the node's CANN, or set trainer.accelerator cpu."
             ) from None
         if not torch_npu.npu.is_available():
-            raise RuntimeError(f"st numerics on {target.device}: torch_npu sees no NPU (torch_npu.npu.is_available() "
+            raise RuntimeError(f"st numerics on {device}: torch_npu sees no NPU (torch_npu.npu.is_available() "
                                "is False); check ASCEND_RT_VISIBLE_DEVICES and the driver, or set trainer.accelerator cpu.")
     elif kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"st numerics on {target.device}: CUDA is not available; set trainer.accelerator cpu.")
-    return torch.device(target.device)
+        raise RuntimeError(f"st numerics on {device}: CUDA is not available; set trainer.accelerator cpu.")
+    return torch.device(device)

@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lp_lightning.ops.npu import clear_capability_cache
 from lp_lightning.st.numerics import one_layer_comparison, operator_numerics
-from lp_lightning.st.target import NumericsTarget, check_numerics_device, numerics_target
+from lp_lightning.st.target import check_numerics_device, numerics_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))  # the op fake lives with the op tests
 from fake_torch_npu import FakeTorchNpu
@@ -45,8 +46,10 @@ def test_an_unknown_accelerator_and_an_npu_without_torch_npu_are_refused(monkeyp
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # `import torch_npu` fails as if not installed
     with pytest.raises(RuntimeError, match=r"st numerics on npu:0 \(trainer.accelerator npu\) need torch_npu.*"
                                            r"install lp-lightning\[npu\]"):
-        check_numerics_device(NumericsTarget("npu", "npu:0", "npu"))
-    assert str(check_numerics_device(numerics_target("cpu"))) == "cpu"
+        check_numerics_device("npu:0")
+    with pytest.raises(RuntimeError, match=r"st numerics on npu:0 .* need torch_npu"):  # the Python entry points too
+        operator_numerics(device="npu:0", precisions=["mxfp8"])
+    assert check_numerics_device(numerics_target("cpu").device) == torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
