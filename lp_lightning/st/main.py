@@ -303,11 +303,17 @@ def _st(
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file; name a folder (created if missing) for the runs and the report.")
+    problems = []  # the options' and the thresholds file's, in one error
     try:
         settings, cases, needed = _check_options(args)
+    except ValueError as err:
+        problems.append(str(err))
+    try:
         thresholds = load_thresholds(args.thresholds) if args.thresholds else BUILTIN_THRESHOLDS
     except ValueError as err:
-        parser.error(str(err))
+        problems.append(str(err))
+    if problems:
+        parser.error("\n".join(problems))
     reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
     try:
         if "numerics" not in args.skip:  # an NPU target without torch_npu stops before any run

@@ -101,10 +101,11 @@ def test_st_stops_on_a_bad_file_before_anything_runs(capsys, tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(BAD)
     with pytest.raises(SystemExit) as info:
-        main(["st", "--out", str(tmp_path / "st"), "--thresholds", str(path)])
+        main(["st", "--out", str(tmp_path / "st"), "--thresholds", str(path), "--devices", "0"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "7 problem(s)" in err and "tolerance: unknown key" in err and "Traceback" not in err
+    assert "--devices 0 must be >= 1" in err  # with the other options' problems, in one error
     assert not (tmp_path / "st").exists()
 
 
