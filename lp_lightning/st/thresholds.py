@@ -50,7 +50,6 @@ __all__ = [
     "thresholds_markdown",
 ]
 
-_PRECISIONS = ("bf16", "mxfp8", "hif8")
 _LOW_PRECISIONS = ("mxfp8", "hif8")
 _ROLES = ("fprop", "dgrad", "wgrad")
 _CASE_PRECISION = {"bf16": "bf16", "mxfp8": "mxfp8", "hif8_current": "hif8"}
@@ -273,9 +272,11 @@ def thresholds_markdown(thresholds: Thresholds) -> list[str]:
         built = [k for k in _leaves(thresholds.values) if thresholds.is_builtin(k)]
         lines += [f"From `--thresholds {thresholds.path}`" + (f"; {len(built)} leaves it leaves out are built-in "
                                                                "(provisional)." if built else "."), ""]
-    lines += ["| threshold | value | source |", "|---|---|---|"]
+    lines += ["| threshold | value | source | bounds |", "|---|---|---|---|"]
     for leaf, value in _leaves(thresholds.values).items():
-        lines.append(f"| `{leaf}` | {value:g} | {'built-in (provisional)' if thresholds.is_builtin(leaf) else 'file'} |")
+        source = "built-in (provisional)" if thresholds.is_builtin(leaf) else "file"
+        bounds = THRESHOLD_KEYS[leaf.split(".")[0]].doc.replace("|", "\\|")
+        lines.append(f"| `{leaf}` | {value:g} | {source} | {bounds} |")
     if thresholds.text is not None:
         lines += ["", "The file, verbatim:", "", "```yaml", thresholds.text.rstrip("\n"), "```"]
     return lines
