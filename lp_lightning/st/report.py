@@ -88,7 +88,8 @@ def short_run_checks(
     for case in ("mxfp8", "hif8_current"):
         if base is None or case not in means:
             continue
-        band = thresholds.get(row, "short_run_loss_rel", precision_of_case(case))
+        key = f"short_run_loss_rel.{precision_of_case(case)}"
+        band = thresholds.get(row, *key.split("."))
         steady = range(settings.warmup_steps, min(len(smooth[case]), len(smooth["bf16"])))
         rels = [(smooth[case][i] - smooth["bf16"][i]) / smooth["bf16"][i] for i in steady]
         worst = max(range(len(rels)), key=lambda i: abs(rels[i]), default=None)
@@ -96,10 +97,10 @@ def short_run_checks(
             f"{case}: smoothed loss (trailing mean of {SMOOTHING_STEPS} steps) within the band of bf16's at every "
             "steady step", len(rels), len(smooth[case]) == len(smooth["bf16"]) and all(abs(r) <= band for r in rels),
             f"max |rel| {abs(rels[worst]):.2e} at step {settings.warmup_steps + worst + 1} of {len(rels)} steady steps"
-            if worst is not None else "no steady step", f"|rel| <= u = {band:.2e} at each step")
+            if worst is not None else "no steady step", f"|rel| <= {band:.2e} ({key}) at each step")
         rel = (means[case] - base) / base
         row.check(f"{case}: mean loss of the last {LOSS_MEAN_STEPS} steps within the band of bf16", abs(rel) <= band,
-                  f"{means[case]:.5f} vs {base:.5f} (rel {rel:+.2e})", f"|rel| <= u = {band:.2e}")
+                  f"{means[case]:.5f} vs {base:.5f} (rel {rel:+.2e})", f"|rel| <= {band:.2e} ({key})")
         row.evidence[f"{case}.band_rel"] = band
         row.evidence[f"{case}.smoothed_rel_per_steady_step"] = rels
     row.evidence["loss_last_mean"] = means

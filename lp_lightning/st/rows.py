@@ -254,11 +254,12 @@ def dcp_resume_row(
                   "identical SHA-1 of every tensor")
         continuous = main.summary.get("losses", [])[n - main.summary.get("first_step", 0):]
         resumed = resume.summary.get("losses", [])
-        tol = thresholds.get(row, "resume_first_loss_rel", precision_of_case(case))
+        key = f"resume_first_loss_rel.{precision_of_case(case)}"
+        tol = thresholds.get(row, *key.split("."))
         if continuous and resumed:
             rel = abs(resumed[0] - continuous[0]) / abs(continuous[0])
             row.check(f"{case}: first resumed loss within tolerance", rel <= tol,
-                      f"{resumed[0]:.6f} vs {continuous[0]:.6f} (rel {rel:.2e})", f"rel <= u = {tol:.2e}")
+                      f"{resumed[0]:.6f} vs {continuous[0]:.6f} (rel {rel:.2e})", f"rel <= {tol:.2e} ({key})")
         else:
             row.check(f"{case}: first resumed loss within tolerance", False, "no losses", "losses of both runs")
         row.evidence[f"{case}.continuous_losses"] = continuous

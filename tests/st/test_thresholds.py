@@ -148,6 +148,7 @@ def test_thresholds_round_trip_through_st(capsys, tmp_path):
     assert q3_11["thresholds"] == ["min_throughput_ratio", "max_step_time_ratio"]
     (n3,) = [r for r in report["numerics"]["checks"] if r["id"] == "N-3"]
     assert n3["provisional"] is True and "short_run_loss_rel.mxfp8" in n3["thresholds"]
+    assert "|rel| <= 6.25e-02 (short_run_loss_rel.hif8)" in {c["expected"] for c in n3["checks"]}
     assert report["summary"]["provisional"] == 2 and report["thresholds"]["path"] is None
     assert report["thresholds"]["provisional"] is True and "min_throughput_ratio" in report["thresholds"]["built_in"]
     assert "| Q3-11 | No performance regression | pass (provisional thresholds) |" in md
