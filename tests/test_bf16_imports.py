@@ -113,6 +113,7 @@ _SCRIPT = textwrap.dedent(
         "--trainer.callbacks+=lp_lightning.telemetry.ProfilerProbe", "--trainer.callbacks.start_step=1",
         "--trainer.callbacks.steps=1",
         "--trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe", "--trainer.callbacks.warmup_steps=0",
+        "--trainer.callbacks+=lp_lightning.telemetry.resident_probe.ResidentObjectsProbe",
     ]
     try:
         runpy.run_module("lp_lightning.cli", run_name="__main__", alter_sys=True)
@@ -159,6 +160,9 @@ def test_bf16_run_imports_no_low_precision_module(tmp_path):
     profile = probe("profile")
     assert profile["window"] == [1, 1] and profile["categories_s"]["high_precision_mm"] > 0
     assert profile["categories_s"]["quantize"] == profile["categories_s"]["low_precision_mm"] == 0
+    resident = probe("resident")  # what st's §17.4 "low precision off" section reads: the same list, measured in the run
+    assert resident["modules"]["low_precision"] == [] and "lp_lightning.st" not in resident["modules"]["lp_lightning"]
+    assert resident["parameters"]["low_precision_weights"] == 0 and resident["parameters"]["by_class"] == {"Tensor": 39}
     memory = probe("tensor_memory")  # the same measurement as an 8-bit run, with no 8-bit storage
     assert summary["peak_tensor_bytes"] == memory["all_ops"]["peak_bytes"] > 0
     assert memory["outside_emulation"] == memory["all_ops"]  # no emulated kernel runs in bf16
@@ -178,3 +182,7 @@ def test_bf16_run_imports_no_low_precision_module(tmp_path):
     # Positive control: asking for the experts factory loads it (and the detector sees it).
     assert result["lazy"] == "lp_lightning.models.deepseek_v3.experts"
     assert "lp_lightning.models.deepseek_v3.experts" in imported(low_precision, result["after_lazy"])
+    # The probe's list (lp_lightning.telemetry.resident_probe) agrees with this walk, on both module sets.
+    from lp_lightning.telemetry.resident_probe import low_precision_modules_loaded
+    for modules in (result["after_bf16"], result["after_lazy"]):
+        assert low_precision_modules_loaded(modules) == imported(low_precision, modules)

@@ -10,11 +10,15 @@ run                 variant (on top of the user's YAML)        evidence for
 ==================  =========================================  ======================================
 ``main/<case>``     ``steps`` optimizer steps (warm-up +       Q3-01/02/03 (loss, grad norm, kernels,
                     steady), a checkpoint after ``save_step``  scales), Q3-09 (the continuous run),
-                                                               Q3-11 (step records, no heavy probe)
+                                                               Q3-11 (step records, no heavy probe),
+                                                               Q3-08 (the off run), §17.4 resident
+                                                               objects and imported modules
 ``probe/<case>``    3 steps with the high-precision GEMM       Q3-02/03/04 (no fallback, the model
-                    probe and every event sampled              boundary), low-precision cases only
+                    probe and every event sampled; a non-      boundary), low-precision cases only;
+                    finite gradient injected at step 2         the skipped step (no refresh there)
 ``reshard/<case>``  ``reshard_after_forward`` flipped          Q3-05/06, §17.4 reshard delta
-``recompute/<c>``   ``activation_checkpoint: full``            Q3-08, §17.4 recompute delta
+``recompute/<c>``   ``activation_checkpoint: full``            Q3-08 (against ``main/<case>``), §17.4
+                                                               recompute delta
 ``accum/<case>``    ``accumulate_grad_batches: 2`` (same       Q3-07 (low-precision cases)
                     global batch)
 ``resume/<case>``   a fresh process resuming ``main/<case>``   Q3-01, Q3-09; profiler time shares
@@ -28,13 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CASES", "FSDP_ROWS", "MIN_REQUIRED_STEPS", "ROW_RUNS", "RunSpec", "STCase", "STSettings", "build_runs",
+    "CASES", "FSDP_ROWS", "INJECTED_STEP", "MIN_REQUIRED_STEPS", "ROW_RUNS", "RunSpec", "STCase", "STSettings", "build_runs",
     "case_by_name", "cases_for_rows", "runs_for_rows",
 ]
 
 PROBES = "lp_lightning.telemetry.probe_callbacks"
 MIN_REQUIRED_STEPS = 20
 """Steps a main run and its steady window must reach in an acceptance (design spec §17.2, §17.4)."""
+INJECTED_STEP = 2
+"""The step of each ``probe/<case>`` run whose gradient :class:`~lp_lightning.telemetry.InjectNonFiniteGradient`
+makes non-finite: the guard skips it, so the run shows zero refreshes there and one per weight at steps 1 and 3."""
 FSDP_ROWS = ("Q3-05", "Q3-06", "Q3-07", "Q3-08")
 """Rows about sharded weights: ``not-applicable`` (unless a check fails) with one process, which shards nothing."""
 
@@ -177,6 +184,12 @@ def _probe(name: str, **init_args: Any) -> dict[str, Any]:
     return {"class_path": f"{PROBES}.{name}", "init_args": {"out_dir": None, **init_args}}
 
 
+def _fingerprints(steps: int) -> dict[str, Any]:
+    """The gradient fingerprints of the first ``steps`` steps (Q3-08: recompute against the off run)."""
+    return {"class_path": "lp_lightning.telemetry.resident_probe.GradientFingerprintProbe",
+            "init_args": {"out_dir": None, "steps": steps}}
+
+
 def _every_event_probes(case: STCase) -> list[dict[str, Any]]:
     probes = [_probe("StepRecordProbe"), _probe("RefreshProbe")]
     if case.is_low_precision:
@@ -201,9 +214,14 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
               "init_args": {"out_dir": None, "steps": [settings.save_step]}}
     for case in cases:
         # The performance evidence: step records and cheap counters only, events kept for the first step.
-        main_probes = [_probe("StepRecordProbe"), _probe("RefreshProbe")]
+        main_probes = [_probe("StepRecordProbe"), _probe("RefreshProbe"),
+                       {"class_path": "lp_lightning.telemetry.resident_probe.ResidentObjectsProbe",
+                        "init_args": {"out_dir": None}}]  # §17.4 dependencies and resident objects, at the end
         if case.is_low_precision:
             main_probes += [_probe(kind, sample_every=10**9) for kind in ("GemmTraceProbe", "GatherTraceProbe")]
+            compared = min(settings.variant_steps, settings.warmup_steps)  # Q3-08's gradients, outside the timed steps
+            if compared:
+                main_probes.append(_fingerprints(compared))
         runs.append(
             RunSpec(
                 f"main/{case.name}", "main", case, settings.steps,
@@ -228,7 +246,9 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
             runs.append(
                 RunSpec(
                     f"probe/{case.name}", "probe", case, 3, overrides=dict(variant),
-                    callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.telemetry.probes.HighPrecisionGemmProbe"}),
+                    callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.telemetry.probes.HighPrecisionGemmProbe"},
+                               {"class_path": "lp_lightning.telemetry.fault_injection.InjectNonFiniteGradient",
+                                "init_args": {"out_dir": None, "step": INJECTED_STEP}}),
                 )
             )
         runs.append(
@@ -242,7 +262,9 @@ def build_runs(settings: STSettings, *, reshard_after_forward: bool, cases: tupl
             RunSpec(
                 f"recompute/{case.name}", "recompute", case, settings.variant_steps,
                 overrides={**variant, "model.activation_checkpoint": "full"},
-                callbacks=tuple(_every_event_probes(case)),
+                callbacks=(*_every_event_probes(case), {"class_path": "lp_lightning.telemetry.resident_probe."
+                                                        "ResidentObjectsProbe", "init_args": {"out_dir": None}},
+                           *([_fingerprints(settings.variant_steps)] if case.is_low_precision else [])),
             )
         )
         if case.is_low_precision:
@@ -270,6 +292,7 @@ ROW_RUNS: dict[str, tuple[str, ...]] = {
     "Q3-09": tuple(f"{k}/{c}" for k in ("main", "resume") for c in _ALL),
     "Q3-10": (),
     "Q3-11": tuple(f"main/{c}" for c in _ALL),
+    "conformance": (),  # no run: the backend against the emulation in st itself (st/conformance_row.py)
 }
 """The runs whose evidence each Q3 row reads (the report's §17.4 section also reads the bf16 variant runs)."""
 

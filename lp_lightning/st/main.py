@@ -18,7 +18,9 @@ the selected rows read, ``--required_steps`` >= 20 and ``--steady_steps`` >= ``-
 (design spec §17.2/§17.4), unless ``--reduced true`` marks a smoke run (the report says so);
 ``--devices`` >= 1 (with 1 process the FSDP rows Q3-05…Q3-08 are ``not-applicable`` unless a check
 fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` made with the same
-``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``); a YAML
+``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``);
+``--thresholds`` names a valid thresholds YAML (:mod:`lp_lightning.st.thresholds`; every problem is
+listed); an NPU numerics target (the YAML's ``trainer.accelerator npu``) needs an importable torch_npu; a YAML
 with ``backend: emulated`` on the npu accelerator needs ``--allow_emulated true``
 (:mod:`lp_lightning.st.emulated_gate`).
 """
@@ -39,15 +41,18 @@ from jsonargparse import ArgumentParser
 
 from lp_lightning.usage import usage_error_text
 from lp_lightning.models.adapter import adapter_for_config
+from lp_lightning.st.conformance_row import conformance_rows, conformance_target
 from lp_lightning.st.cases import (
     CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
 )
+from lp_lightning.st.emulated_gate import emulated_on_npu_error, run_target
 from lp_lightning.st.illegal import run_illegal_cases
 from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
 from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
 from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
-from lp_lightning.st.emulated_gate import emulated_on_npu_error, run_target
+from lp_lightning.st.target import check_numerics_device, numerics_target
+from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, Thresholds, load_thresholds, mark_provisional
 from lp_lightning.versions import software_versions
 
 __all__ = ["build_parser", "st_main"]
@@ -93,7 +98,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--cases", type=list[str], default=[c.name for c in CASES],
                         help="Cases to run; must include every case the selected rows read (unless --reduced).")
     parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
-                        help="Q3 rows to evaluate; only the runs they need are run (default: all).")
+                        help="Q3 rows (and conformance: the backend against the emulation) to evaluate; only the runs they "
+                             "need are run (default: all).")
     parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (their rows fail).")
     parser.add_argument("--reuse_runs", type=bool, default=False,
                         help="Read the runs already under --out instead of running them again (re-report).")
@@ -104,6 +110,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--allow_emulated", type=bool, default=False,
                         help="Run even though the YAML puts backend: emulated on the npu accelerator (stops otherwise: "
                              "the emulation cannot judge the NPU, docs/acceptance.md).")
+    parser.add_argument("--thresholds", type=str | None, default=None,
+                        help="YAML of the owner's tolerances (configs/st_thresholds.yaml; docs/acceptance.md "
+                             "'Thresholds'); without it the built-ins are used and passes are provisional.")
     return parser
 
 
@@ -120,8 +129,9 @@ def _user_settings(
     never_replace = model_never_replace(parsed.model.config_name_or_path)
     devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
     devices = max(int(devices), 2) if str(devices).isdigit() else 2
-    meta = {"config": config or "embedded default (dsv3-tiny)"}
-    meta.update(run_target(parsed))  # accelerator, backend, emulated_on_npu (checked by _st before any run)
+    meta = {"config": config or "embedded default (dsv3-tiny)", **conformance_target(parsed),
+            **numerics_target(parsed.trainer.accelerator, parsed.backend).as_meta(),
+            **run_target(parsed)}  # accelerator, backend, emulated_on_npu: checked by _st before any run
     return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta
 
 
@@ -145,21 +155,27 @@ def _log(message: str) -> None:
     print(f"[lp-lightning st] {message}", file=sys.stderr, flush=True)
 
 
-def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
-    operators = operator_numerics()
-    one_layer = one_layer_comparison()
+def _numerics(out: Path, meta: dict[str, Any], thresholds: Thresholds) -> tuple[dict[str, Any], list[Row]]:
+    """N-1/N-2 on the run's device and backend (``meta`` ``numerics_device``/``numerics_backend``)."""
+    target = {"device": meta["numerics_device"], "backend": meta["numerics_backend"]}
+    operators = operator_numerics(**target, thresholds=thresholds)
+    one_layer = one_layer_comparison(**target, thresholds=thresholds)
     plot_operator_numerics(operators, out / "operator_numerics.png")
     plot_one_layer(one_layer, out / "one_layer.png")
-    n1 = Row("N-1")
+    n1 = Row("N-1", evidence={"device": target["device"], "backends": sorted({e["backend"] for e in operators})})
     for entry in operators:
+        thresholds.get(n1, "operator_sqnr_floor_db", entry["precision"], entry["role"])  # the floor it read
         n1.check(
             f"{entry['operator']} {entry['format']} {entry['tensor']} ({entry['role']})",
             bool(entry["pass"]),
             f"SQNR {float(entry['sqnr_db']):.2f} dB, nonfinite {entry['nonfinite']}",
-            f">= {entry['sqnr_floor_db']} dB (unit-test floor), nonfinite 0",
+            f">= {entry['sqnr_floor_db']} dB ({entry['threshold']}), nonfinite 0",
         )
-    n2 = Row("N-2")
+    n2 = Row("N-2", evidence={"device": target["device"], "backends": sorted(
+        {b for case in one_layer["cases"].values() for b in case["gemm_backends"]})})
     for precision, comparison in (one_layer.get("comparisons") or {}).items():
+        for role in comparison["bands"]["sqnr_floors_db"]:  # the floors its bands derive from
+            thresholds.get(n2, "one_layer_sqnr_floor_db", precision, role)
         bands = comparison.get("bands", {})
         n2.check(f"{precision}: one-step loss within the band of bf16", bool(comparison.get("loss_pass")),
                  f"rel {float(comparison.get('loss_rel_diff', 'nan')):.2e}", f"<= {float(bands.get('loss_rel_band', 'nan')):.3g}")
@@ -175,6 +191,7 @@ def _numerics(out: Path) -> tuple[dict[str, Any], list[Row]]:
     numerics = {
         "operators": operators,
         "one_layer": one_layer,
+        "target": target,
         "plots": {"operator_numerics": "operator_numerics.png", "one_layer": "one_layer.png"},
     }
     return numerics, [n1, n2]
@@ -295,13 +312,25 @@ def _st(
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file; name a folder (created if missing) for the runs and the report.")
+    problems = []  # the options' and the thresholds file's, in one error
     try:
         settings, cases, needed = _check_options(args)
     except ValueError as err:
-        parser.error(str(err))
+        problems.append(str(err))
+    try:
+        thresholds = load_thresholds(args.thresholds) if args.thresholds else BUILTIN_THRESHOLDS
+    except ValueError as err:
+        problems.append(str(err))
+    if problems:
+        parser.error("\n".join(problems))
     reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
     if error := emulated_on_npu_error(meta, args.allow_emulated):
         parser.error(error)
+    try:
+        if "numerics" not in args.skip:  # an NPU target without torch_npu stops before any run
+            check_numerics_device(meta["numerics_device"])
+    except RuntimeError as err:
+        parser.error(str(err))
     if args.devices is None:
         settings = dataclasses.replace(settings, devices=devices)
     config = Path(args.config).resolve() if args.config else None
@@ -343,19 +372,21 @@ def _st(
     numerics_rows: list[Row] = []
     if "numerics" not in args.skip:
         _log("layered numerics (design spec §17.3.2): running")
-        numerics, numerics_rows = _numerics(out)
+        numerics, numerics_rows = _numerics(out, meta, thresholds)
     if all(f"main/{c.name}" in runs for c in CASES):
-        numerics_rows.append(short_run_checks(runs, settings))
+        numerics_rows.append(short_run_checks(runs, settings, thresholds=thresholds))
     rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,
-                         targets=targets, never_replace=never_replace, only=args.rows)
+                         targets=targets, never_replace=never_replace, only=args.rows, thresholds=thresholds)
+    rows += conformance_rows(out, meta, args.rows)  # docs/acceptance.md "Backend conformance"
+    mark_provisional([*rows, *numerics_rows], thresholds)
     meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
                 user_reshard_after_forward=reshard_after_forward, skipped_parts=list(args.skip),
                 cases=[c.name for c in cases], selected_rows=list(args.rows))
     report = write_report(out, rows=rows, runs=runs, settings=settings, numerics=numerics,
-                          numerics_rows=numerics_rows, meta=meta)
+                          numerics_rows=numerics_rows, meta=meta, thresholds=thresholds)
     width = max(len(r.title) for r in [*rows, *numerics_rows])
     for row in [*rows, *numerics_rows]:
-        print(f"{row.id:6} {row.title:{width}}  {row.verdict}")
+        print(f"{row.id:6} {row.title:{width}}  {row.shown_verdict}")
     print(f"report: {out / 'report.md'} ({json.dumps(report['summary'])})")
     failed = any(r.verdict == "fail" for r in [*rows, *numerics_rows])
     return 1 if failed else 0

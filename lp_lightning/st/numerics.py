@@ -8,7 +8,8 @@ experts on the helpers of the grouped SwiGLU) run forward and backward once per 
 one GEMM: ``output`` (fprop), ``dinput`` (dgrad), ``dweight`` (wgrad). Each is scored with
 :func:`lp_lightning.evidence.numerics.compare` against a BF16 golden — the same operator on the
 operands rounded to BF16, products and sums in FP32 — and must reach the unit-test floor
-``SQNR_FLOORS_DB[(precision, "gaussian", role)]`` of :mod:`lp_lightning.formats.recipe` with no
+``SQNR_FLOORS_DB[(precision, "gaussian", role)]`` of :mod:`lp_lightning.formats.recipe` (the
+built-in value of the threshold ``operator_sqnr_floor_db``, :mod:`lp_lightning.st.thresholds`) with no
 non-finite value. The inputs are the floors' own (``sqnr_reference_input("gaussian", ...)``,
 N(0, 1)) at the floors' GEMM shapes: ``x [256, 512]``, ``W [384, 512]``, ``dy [256, 384]``; the
 grouped operator splits the same 256 rows over 4 experts ``[96, 0, 112, 48]`` (one empty) with
@@ -54,9 +55,15 @@ Measured (seed 0): loss within 0.02 % of bf16, gradient norm within 0.12 %, key 
 
 **JSON.** Every result is JSON-ready: dicts, lists, str, int, bool and finite floats; a
 non-finite float is the string ``"inf"``, ``"-inf"`` or ``"nan"`` (``json.dumps(...,
-allow_nan=False)`` accepts the result). Both layers are deterministic for a seed and run on the
-CPU with the eager codec kernels (bit-identical to the fused ones; no compile warm-up): about
-3.5 s (operators) + 7 s (one layer) on an idle 2-core machine, plus the imports.
+allow_nan=False)`` accepts the result). Both layers are deterministic for a seed and use the eager
+codec kernels (bit-identical to the fused ones; no compile warm-up): about 3.5 s (operators) + 7 s
+(one layer) on an idle 2-core machine, plus the imports.
+
+**Device and backend.** Both layers take the run's target (``device``, ``backend``; ``lp-lightning st``
+passes the user YAML's accelerator and backend, :mod:`lp_lightning.st.target`): the inputs and models
+are drawn on the CPU from the seed, so every device sees the same values, then moved to ``device``,
+where the low-precision side runs on ``backend`` and the BF16 golden (or the bf16 case) runs too. On
+the CPU with ``auto``/``emulated`` that is exactly the emulation's figures.
 """
 
 from __future__ import annotations
@@ -73,13 +80,15 @@ import torch.nn.functional as F
 
 from lp_lightning.evidence.numerics import compare, expected_rounding_error
 from lp_lightning.formats import compiled_kernels_enabled, recipe_for, set_compiled_kernels
-from lp_lightning.formats.recipe import SQNR_FLOORS_DB, SQNR_MEASURED_DB, sqnr_reference_input
+from lp_lightning.formats.recipe import SQNR_MEASURED_DB, sqnr_reference_input
 from lp_lightning.formats.registry import precision_names
 from lp_lightning.functional import low_precision_grouped_linear, low_precision_linear
 from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import precision_plugin
 from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.ops import GemmTraceEvent, record_gemms
+from lp_lightning.st.target import check_numerics_device
+from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, Thresholds
 from lp_lightning.tensor import QuantizedWeightTensor
 
 __all__ = [
@@ -206,10 +215,10 @@ def _autograd(
 
 
 def _low_precision(
-    operator: str, fmt: str, x: torch.Tensor, master: torch.Tensor, dy: torch.Tensor
+    operator: str, fmt: str, x: torch.Tensor, master: torch.Tensor, dy: torch.Tensor, backend: str
 ) -> tuple[dict[str, torch.Tensor], list[GemmTraceEvent]]:
-    """The operator's three tensors in low precision and the GEMM events it emitted."""
-    recipe = recipe_for(fmt)
+    """The operator's three tensors in low precision on the tensors' device and the GEMM events it emitted."""
+    recipe = recipe_for(fmt, backend)
     weight = QuantizedWeightTensor.from_master(
         master, recipe=recipe, kind="dense" if operator == "dense" else "grouped", requires_grad=True
     )
@@ -218,7 +227,7 @@ def _low_precision(
         if operator == "dense":
             y = low_precision_linear(x, weight, recipe=recipe)
         else:
-            group_list = torch.tensor(GROUP_COUNTS, dtype=torch.int64)
+            group_list = torch.tensor(GROUP_COUNTS, dtype=torch.int64, device=x.device)
             y = low_precision_grouped_linear(x, group_list, weight, recipe=recipe)
         y.backward(dy)
     return {"output": y.detach(), "dinput": x.grad, "dweight": weight.grad}, list(events)
@@ -233,15 +242,29 @@ def _operator_inputs(operator: str, seed: int) -> tuple[torch.Tensor, torch.Tens
     return x.to(torch.bfloat16), master, dy.to(torch.bfloat16)
 
 
-def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def operator_numerics(
+    *,
+    seed: int = 0,
+    precisions: Sequence[str] | None = None,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+    thresholds: Thresholds = BUILTIN_THRESHOLDS,
+) -> list[dict[str, Any]]:
     """Layer 1 of design spec §17.3.2: Dense and Grouped output/dinput/dweight vs a BF16 golden.
 
-    See the module docstring for inputs, golden and floors. Runs on the CPU on the backend that
-    ``auto`` picks for CPU tensors (``emulated``); each row records the backend that ran its GEMM.
+    See the module docstring for inputs, golden and floors. The inputs are drawn on the CPU (the same
+    values on every device) and moved to ``device``, where the low-precision operator runs on
+    ``backend`` and the BF16 golden runs too; the FP64 reference that vouches for the golden runs on
+    the CPU (an NPU has no FP64 GEMM). Each row records the device and the backend that ran its GEMM.
 
     Args:
         seed: Seed of the inputs (``x``: ``seed``, ``W``: ``seed + 1``, ``dy``: ``seed + 2``).
         precisions: ``--precision`` values to score (``"mxfp8"``, ``"hif8"``); None = both.
+        device: Where the operators and the golden run (``"cpu"``, ``"npu:0"``; the run's target,
+            :func:`lp_lightning.st.target.numerics_target`).
+        backend: The op backend of the low-precision GEMMs (``"emulated"``, ``"npu"``; ``"auto"``: the
+            one registered for ``device``'s type, else ``emulated``).
+        thresholds: The floors (``operator_sqnr_floor_db``, :mod:`lp_lightning.st.thresholds`).
 
     Returns:
         12 rows (operator × format × tensor; 6 per format), each a JSON-ready dict: ``operator``
@@ -249,27 +272,31 @@ def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None)
         ``tensor`` (``"output"``/``"dinput"``/``"dweight"``), ``role`` (``"fprop"``/``"dgrad"``/
         ``"wgrad"``), ``gemm_role``, ``layout``, ``backend``, ``shapes`` (``x``, ``weight``,
         ``dy``, ``result``, and ``group_list`` for grouped), ``golden``, ``golden_vs_fp64_sqnr_db``,
-        the :func:`json_metrics` keys, ``sqnr_floor_db``, ``sqnr_floor_key``,
-        ``sqnr_table_measured_db`` (the floor's measurement), ``seed`` and ``pass``
+        the :func:`json_metrics` keys, ``sqnr_floor_db`` (from ``thresholds``), ``sqnr_floor_key``
+        (its ``SQNR_FLOORS_DB`` key), ``threshold`` (its dotted thresholds key),
+        ``sqnr_table_measured_db`` (the floor's measurement), ``device``, ``seed`` and ``pass``
         (``sqnr_db >= sqnr_floor_db`` and ``nonfinite == 0``).
 
     Raises:
         ValueError: for an unknown name in ``precisions``.
-        RuntimeError: the BF16 golden is not within ``GOLDEN_MIN_SQNR_DB`` of FP64 (it could not
+        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_numerics_device``), or
+            the BF16 golden is not within ``GOLDEN_MIN_SQNR_DB`` of FP64 (it could not
             stand in for FP64), or an operator did not emit exactly one GEMM per tensor.
     """
     rows: list[dict[str, Any]] = []
     formats = _formats(precisions)
+    target = check_numerics_device(device)
     with _eager_codecs():
         for operator, reference in (("dense", _dense_reference), ("grouped", _grouped_reference)):
-            x, master, dy = _operator_inputs(operator, seed)
+            x_cpu, master_cpu, dy_cpu = _operator_inputs(operator, seed)
+            x, master, dy = (t.to(target) for t in (x_cpu, master_cpu, dy_cpu))
             golden = _autograd(reference, x.float(), master.bfloat16().float(), dy.float())
-            fp64 = _autograd(reference, x.double(), master.double(), dy.double())
+            fp64 = _autograd(reference, x_cpu.double(), master_cpu.double(), dy_cpu.double())
             shapes = {"x": list(x.shape), "weight": list(master.shape), "dy": list(dy.shape)}
             if operator == "grouped":
                 shapes["group_list"] = list(GROUP_COUNTS)
             for precision, fmt in formats:
-                ours, events = _low_precision(operator, fmt, x, master, dy)
+                ours, events = _low_precision(operator, fmt, x, master, dy, backend)
                 by_role = {e.gemm_role.value if e.gemm_role is not None else None: e for e in events}
                 expected = [f"{operator}_{role}" for _, role in TENSORS]
                 if len(events) != len(TENSORS) or sorted(by_role, key=str) != sorted(expected):
@@ -287,7 +314,7 @@ def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None)
                         )
                     metrics = json_metrics(ours[tensor], golden[tensor])
                     floor_key = (precision, "gaussian", role)
-                    floor = SQNR_FLOORS_DB[floor_key]
+                    floor = thresholds.get(None, "operator_sqnr_floor_db", precision, role)
                     rows.append({
                         "operator": operator,
                         "format": fmt,
@@ -297,12 +324,14 @@ def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None)
                         "gemm_role": f"{operator}_{role}",
                         "layout": event.layout,
                         "backend": event.backend,
+                        "device": str(target),
                         "shapes": {**shapes, "result": list(ours[tensor].shape)},
                         "golden": "the same operator on BF16-rounded operands, FP32 products and sums",
                         "golden_vs_fp64_sqnr_db": json_float(golden_sqnr),
                         **metrics,
                         "sqnr_floor_db": floor,
                         "sqnr_floor_key": list(floor_key),
+                        "threshold": f"operator_sqnr_floor_db.{precision}.{role}",
                         "sqnr_table_measured_db": SQNR_MEASURED_DB[floor_key],
                         "seed": seed,
                         "pass": _number(metrics["sqnr_db"]) >= floor and metrics["nonfinite"] == 0,
@@ -314,24 +343,27 @@ def operator_numerics(*, seed: int = 0, precisions: Sequence[str] | None = None)
 # Layer 2: a fixed one-layer model
 
 
-def _one_layer_step(precision: str, seed: int, ids: torch.Tensor) -> dict[str, Any]:
-    """Build, convert (production plugin) and run one forward/backward of the one-layer model."""
+def _one_layer_step(precision: str, seed: int, ids: torch.Tensor, backend: str) -> dict[str, Any]:
+    """Build (on the CPU), move to ``ids``' device, convert (production plugin, ``backend``) and run one
+    forward/backward of the one-layer model."""
     module = DeepSeekV3LM(
         config_name_or_path="dsv3-tiny", config_overrides=dict(ONE_LAYER_OVERRIDES), validate_spec=False, seed=seed
     )
     module.configure_model()
-    plugin = precision_plugin(precision)
+    module.model.to(ids.device)
+    plugin = precision_plugin(precision, backend=backend)
     model = plugin.convert_module(module.model)
     routing: list[torch.Tensor] = []
     gate = model.get_submodule("model.layers.0.mlp.gate")
-    hook = gate.register_forward_hook(lambda _m, _i, out: routing.append(out[2].detach().sort(dim=-1).values))
+    hook = gate.register_forward_hook(lambda _m, _i, out: routing.append(out[2].detach().sort(dim=-1).values.cpu()))
     try:
         with record_gemms() as events:
             loss = module.loss({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
             loss.backward()
     finally:
         hook.remove()
-    grads = {name: p.grad.detach().to(torch.float32) for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.detach().to(torch.float32).cpu() for name, p in model.named_parameters()
+             if p.grad is not None}
     grad_norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
     gemms: dict[str, int] = {}
     for event in events:
@@ -347,6 +379,7 @@ def _one_layer_step(precision: str, seed: int, ids: torch.Tensor) -> dict[str, A
             "loss": json_float(float(loss.detach())),
             "grad_norm": json_float(grad_norm),
             "backend": plugin.backend,
+            "device": str(ids.device),
             "replaced": dict(report.counts) if report is not None else {},
             "low_precision_weights": len(plugin.low_precision_weights),
             "low_precision_gemms": gemms,
@@ -355,9 +388,10 @@ def _one_layer_step(precision: str, seed: int, ids: torch.Tensor) -> dict[str, A
     }
 
 
-def _bands(precision: str, gemms: dict[str, int]) -> dict[str, Any]:
-    """The format's loss, gradient-norm and gradient bands (module docstring, "Bands")."""
-    floors = {role: SQNR_FLOORS_DB[(precision, "gaussian", role)] for _, role in TENSORS}
+def _bands(precision: str, gemms: dict[str, int], thresholds: Thresholds = BUILTIN_THRESHOLDS) -> dict[str, Any]:
+    """The format's loss, gradient-norm and gradient bands (module docstring, "Bands"), from the per-GEMM
+    floors ``thresholds`` ``one_layer_sqnr_floor_db``."""
+    floors = {role: thresholds.get(None, "one_layer_sqnr_floor_db", precision, role) for _, role in TENSORS}
     s_fprop, s_min = floors["fprop"], min(floors.values())
     k_fprop = sum(n for role, n in gemms.items() if role.endswith("fprop"))
     k_all = sum(gemms.values())
@@ -379,19 +413,31 @@ def _bands(precision: str, gemms: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def one_layer_comparison(*, seed: int = 0, precisions: Sequence[str] | None = None) -> dict[str, Any]:
+def one_layer_comparison(
+    *,
+    seed: int = 0,
+    precisions: Sequence[str] | None = None,
+    device: torch.device | str = "cpu",
+    backend: str = "auto",
+    thresholds: Thresholds = BUILTIN_THRESHOLDS,
+) -> dict[str, Any]:
     """Layer 2 of design spec §17.3.2: one step of a fixed one-layer DeepSeek-V3, bf16 vs mxfp8 vs hif8.
 
-    See the module docstring for the model, the conversion, the batch and the bands.
+    See the module docstring for the model, the conversion, the batch and the bands. Every case
+    (the bf16 golden too) is built on the CPU from the same seed, moved to ``device`` and run there;
+    the low-precision cases' GEMMs run on ``backend``. Gradients are compared on the CPU.
 
     Args:
         seed: Seed of the model initialisation and of the batch.
         precisions: Low-precision cases to run next to ``bf16`` (``"mxfp8"``, ``"hif8"``); None = both.
+        device: Where every case runs (``"cpu"``, ``"npu:0"``).
+        backend: The low-precision cases' op backend (``"auto"``: by ``device``'s type).
+        thresholds: The per-GEMM floors the bands derive from (``one_layer_sqnr_floor_db``).
 
     Returns:
         A JSON-ready dict: ``model`` (spec, overrides, seed), ``batch`` (shape, tokens, source),
         ``key_gradients``, ``cases`` (``bf16``/``mxfp8``/``hif8`` → ``loss``, ``grad_norm``,
-        ``backend``, ``replaced``, ``low_precision_weights``, ``low_precision_gemms`` by role,
+        ``backend``, ``device``, ``replaced``, ``low_precision_weights``, ``low_precision_gemms`` by role,
         ``gemm_backends``), ``comparisons`` (``mxfp8``/``hif8`` → ``bands`` (see
         :func:`_bands`), ``loss_abs_diff``, ``loss_rel_diff``, ``loss_pass``,
         ``grad_norm_rel_diff``, ``grad_norm_pass``, ``routing_changed_tokens``, ``tokens``,
@@ -401,7 +447,8 @@ def one_layer_comparison(*, seed: int = 0, precisions: Sequence[str] | None = No
 
     Raises:
         ValueError: for an unknown name in ``precisions``.
-        RuntimeError: a low-precision case ran no low-precision GEMM, or the bf16 case ran one.
+        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_numerics_device``), a
+            low-precision case ran no low-precision GEMM, or the bf16 case ran one.
     """
     start = time.perf_counter()
     batch, width = ONE_LAYER_BATCH
@@ -409,9 +456,10 @@ def one_layer_comparison(*, seed: int = 0, precisions: Sequence[str] | None = No
     with _eager_codecs():
         vocab = _one_layer_vocab()
         ids = torch.randint(0, vocab, (batch, width), generator=torch.Generator().manual_seed(seed))
-        steps = {"bf16": _one_layer_step("bf16", seed, ids)}
+        ids = ids.to(check_numerics_device(device))
+        steps = {"bf16": _one_layer_step("bf16", seed, ids, backend)}
         for precision, _ in formats:
-            steps[precision] = _one_layer_step(precision, seed, ids)
+            steps[precision] = _one_layer_step(precision, seed, ids, backend)
     if steps["bf16"]["summary"]["low_precision_gemms"]:
         raise RuntimeError(
             f"one_layer_comparison: the bf16 case ran low-precision GEMMs "
@@ -421,7 +469,7 @@ def one_layer_comparison(*, seed: int = 0, precisions: Sequence[str] | None = No
     comparisons = {}
     for precision, _ in formats:
         step = steps[precision]
-        bands = _bands(precision, step["summary"]["low_precision_gemms"])
+        bands = _bands(precision, step["summary"]["low_precision_gemms"], thresholds)
         gradients = {}
         for name, grad in base["grads"].items():
             checked = name in KEY_GRADIENTS
@@ -509,7 +557,7 @@ def plot_operator_numerics(rows: Sequence[dict[str, Any]], path: str | Path) -> 
     for x, value in zip(xs, sqnr):
         top.annotate(f"{value:.1f}", (x, value), ha="center", va="bottom", fontsize=8)
     top.scatter(xs, [r["sqnr_floor_db"] for r in rows], marker="_", s=900, color="black", zorder=3,
-                label="unit-test floor SQNR_FLOORS_DB")
+                label="SQNR floor (thresholds operator_sqnr_floor_db)")
     top.set_ylabel("SQNR (dB)")
     top.set_ylim(0.0, max([35.0, *sqnr]) * 1.1)
     top.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2, fontsize=8)
@@ -517,7 +565,8 @@ def plot_operator_numerics(rows: Sequence[dict[str, Any]], path: str | Path) -> 
     bottom.set_yscale("log")
     bottom.set_ylabel("1 − cosine")
     bottom.set_xticks(xs, labels, fontsize=8)
-    fig.suptitle("design spec §17.3.2 layer 1: per-operator output/dinput/dweight against a BF16 golden")
+    where = ", ".join(sorted({f"{r.get('device', 'cpu')}, {r['backend']} backend" for r in rows}))
+    fig.suptitle(f"design spec §17.3.2 layer 1: per-operator output/dinput/dweight against a BF16 golden ({where})")
     fig.tight_layout()
     return _save(fig, plt, path)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from lp_lightning.st.cases import STSettings
 from lp_lightning.st.runner import RunResult
+from lp_lightning.st.sections import backward_gather_evidence, recompute_equality_checks
 from lp_lightning.st.verdict import Row, _finished, _gemm_counts, _training_checks
 
 __all__ = ["accumulation_refresh_row", "gather_orientation_row", "hif8_gather_scales_row", "recompute_refresh_row"]
@@ -106,6 +107,8 @@ def gather_orientation_row(runs: dict[str, RunResult], settings: STSettings, res
         row.evidence[f"{name}.gathers"] = len(pres)
         _wire_checks(row, run)
         _rebuilt_checks(row, run, "mxfp8")
+        if flag:
+            backward_gather_evidence(row, run)
     row.notes.append(
         "With reshard_after_forward=true a backward gather carries the dgrad orientation only (dense col, grouped "
         "row): §9.1 lists row+col for backward because it counts wgrad, which reads no weight "
@@ -200,7 +203,9 @@ def accumulation_refresh_row(runs: dict[str, RunResult], settings: STSettings) -
 
 def recompute_refresh_row(runs: dict[str, RunResult], settings: STSettings) -> Row:
     """Design spec §17.2 Q3-08 (full recompute): the recompute runs train, refresh once per step (never inside
-    forward/backward) and hold no extra persistent weights."""
+    forward/backward) and, measured against ``main/<case>`` (recompute off) over the same steps, give bitwise the
+    same losses and gradient norms, the same GEMMs per role (fprop twice), refreshes, all-gathers and resident
+    objects (design spec §16.5; :func:`lp_lightning.st.sections.recompute_equality_checks`)."""
     row = Row("Q3-08")
     for case in ("mxfp8", "hif8_current"):
         run, main = runs.get(f"recompute/{case}"), runs.get(f"main/{case}")
@@ -208,15 +213,8 @@ def recompute_refresh_row(runs: dict[str, RunResult], settings: STSettings) -> R
             continue
         _training_checks(row, run, f"recompute/{case}", settings.variant_steps)
         _refresh_checks(row, run, micro_batches=1)
-        if main is not None and main.ok:
-            def persistent(summary: dict[str, Any]) -> tuple[Any, ...]:
-                sharding, report = summary.get("sharding") or {}, summary.get("replacement") or {}
-                return (sharding.get("low_precision_weights"), report.get("num_replaced"),
-                        len(sharding.get("replicated_low_precision") or []))
-
-            row.check(f"recompute/{case}: no extra persistent weights", persistent(run.summary) == persistent(main.summary),
-                      "(low-precision weights, replaced modules, replicated) = " + str(persistent(run.summary)),
-                      f"{persistent(main.summary)} as in main/{case}")
+        if _finished(row, main, f"main/{case}"):
+            recompute_equality_checks(row, run, main, case, settings)
         steps = max(len(run.summary.get("losses", [])), 1)
         row.evidence[f"{case}.gemms_per_step"] = {r: n / steps for (r, f, b), n in _gemm_counts(run).items()}
         row.evidence[f"{case}.gathers_per_step"] = ((run.summary.get("wire") or {}).get("gathers_per_step"))

@@ -5,7 +5,8 @@ its verdict is ``pass`` when every check holds, ``fail`` otherwise (also when it
 ``not-applicable`` when every check holds but the row cannot be judged here (Q3-11 on the emulated
 backend, the FSDP rows with one process) or when every check is itself not applicable. A check that
 compared nothing (no event, pair or rank) never holds: it fails, or it is not applicable with the
-reason (:meth:`Row.check_compared`). The tolerances are in :mod:`lp_lightning.st.rows`.
+reason (:meth:`Row.check_compared`). The tolerances are in :mod:`lp_lightning.st.thresholds`; a pass
+that rests on a built-in one is shown ``pass (provisional thresholds)`` (:attr:`Row.shown_verdict`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ROW_TITLES = {
     "Q3-09": "DCP resume",
     "Q3-10": "Illegal configurations",
     "Q3-11": "No performance regression",
+    "conformance": "Backend conformance against the emulation",
     "N-1": "Operators against a BF16 golden (§17.3.2 item 1)",
     "N-2": "One-layer model against BF16 (§17.3.2 item 2)",
     "N-3": "Short-run loss and grad-norm curves (§17.3.2 item 3)",
@@ -73,13 +75,19 @@ class Check:
 
 @dataclass
 class Row:
-    """One Q3 row: its checks, verdict, evidence (numbers and file paths) and notes."""
+    """One Q3 row: its checks, verdict, evidence (numbers and file paths) and notes.
+
+    ``thresholds`` lists the dotted threshold keys its checks read (:mod:`lp_lightning.st.thresholds`);
+    ``provisional`` marks a pass that rests on a built-in one (``thresholds.mark_provisional``).
+    """
 
     id: str
     checks: list[Check] = field(default_factory=list)
     evidence: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     not_applicable: str | None = None
+    thresholds: list[str] = field(default_factory=list)
+    provisional: bool = False
 
     @property
     def title(self) -> str:
@@ -92,6 +100,11 @@ class Row:
         if self.not_applicable or all(c.not_applicable for c in self.checks):
             return "not-applicable"
         return "pass"
+
+    @property
+    def shown_verdict(self) -> str:
+        """The verdict as the report and the console show it: ``pass (provisional thresholds)`` when provisional."""
+        return f"{self.verdict} (provisional thresholds)" if self.provisional and self.verdict == "pass" else self.verdict
 
     def check(self, name: str, ok: bool, observed: Any, expected: Any) -> bool:
         self.checks.append(Check(name, bool(ok), observed, expected))
@@ -118,6 +131,8 @@ class Row:
             "checks": [c.as_dict() for c in self.checks],
             "evidence": self.evidence,
             "notes": list(self.notes),
+            "thresholds": list(self.thresholds),
+            "provisional": self.provisional and self.verdict == "pass",
         }
 
 

@@ -3,10 +3,13 @@
 :class:`~lp_lightning.telemetry.summary.RunSummaryCallback` writes ``run_summary.json``
 (docs/run_summary.md); the probes observe through the public event hooks
 (:mod:`lp_lightning.observers`) and FSDP2's public comm hooks, and never change a tensor, a kernel
-choice or the order of an operation. Nothing below this package imports it; the probe callbacks
+choice or the order of an operation. The one exception is named as such: the test hook
+:class:`~lp_lightning.telemetry.fault_injection.InjectNonFiniteGradient` writes one NaN/Inf into one
+gradient at a chosen step (through Lightning's ``on_before_optimizer_step``) to show the guard's skip. Nothing below this package imports it; the probe callbacks
 import nothing low-precision until a low-precision run starts.
 """
 
+from lp_lightning.telemetry.fault_injection import InjectNonFiniteGradient
 from lp_lightning.telemetry.memory_probe import TensorMemoryProbe
 from lp_lightning.telemetry.probe_callbacks import (
     GatherTraceProbe,
@@ -24,6 +27,7 @@ __all__ = [
     "GatherTraceProbe",
     "GemmTraceProbe",
     "HighPrecisionGemmProbe",
+    "InjectNonFiniteGradient",
     "ProbeCallback",
     "ProfilerProbe",
     "RefreshProbe",

@@ -6,7 +6,8 @@ ranks its launcher starts). One ``lp-lightning st`` run carries all four, each i
 row reads and no other row of the four reads, so every failure has one cause; a second ``st`` run
 of the same rows on the unpatched build passes the same checks (``test_correct_build_passes``). Both
 are one process per run and a few steps (``--reduced true``): the checks are those of the full
-acceptance.
+acceptance. The correct build also runs Q3-02 and Q3-08, so its report shows every section of
+docs/acceptance.md "What the rows exercise" from real runs (one more ``fit``: ``recompute/mxfp8``).
 
 ========================  ======================================================  =========  ================
 broken build              what it does                                            row        patched run
@@ -141,6 +142,7 @@ def _st(tmp_path: Path, broken: dict[str, str], rows: list[str]) -> dict:
     assert (out / "report.json").is_file(), proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     report["_exit_code"] = proc.returncode
+    report["_md"] = (out / "report.md").read_text()
     return report
 
 
@@ -158,6 +160,8 @@ EXPECTED = {  # broken build -> (row, the check that must fail, the run it break
     "resume_from_bf16": ("Q3-09", "bit-identical", "resume/mxfp8"),
 }
 ROWS = sorted({row for row, _, _ in EXPECTED.values()})
+CORRECT_ROWS = sorted({*ROWS, "Q3-02", "Q3-08"})
+"""The correct build also runs Q3-02 (the skipped step of probe/mxfp8) and Q3-08 (recompute/mxfp8 vs main/mxfp8)."""
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +169,8 @@ def reports(tmp_path_factory) -> dict[str, dict]:
     """The report of the correct build and of the build with every breakage in its run, both at once."""
     jobs = {"correct": {}, "broken": {run: build for build, (_, _, run) in EXPECTED.items()}}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # each st run is one process, one thread
-        futures = {name: pool.submit(_st, tmp_path_factory.mktemp(name), broken, ROWS) for name, broken in jobs.items()}
+        futures = {name: pool.submit(_st, tmp_path_factory.mktemp(name), broken, ROWS if broken else CORRECT_ROWS)
+                   for name, broken in jobs.items()}
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -177,6 +182,32 @@ def test_correct_build_passes(reports):
         assert all(c["ok"] for c in found["checks"]), found["checks"]
         failing = [c for c in found["row"]["checks"] if not c["ok"]]  # only for the cases this test leaves out
         assert all("hif8" in c["name"] or "bf16" in c["name"] for c in failing), failing
+
+
+def test_a_fresh_reduced_report_shows_what_the_rows_exercise(reports):
+    """The skipped-step, recompute, Q3-05 and §17.4/§17.5 sections of docs/acceptance.md "What the rows exercise"."""
+    report, md = reports["correct"], reports["correct"]["_md"]
+    checks = {c["name"]: c for row in report["rows"] for c in row["checks"]}
+    skipped = report["sections"]["skipped_step"]["mxfp8"]
+    assert [(s["step"], s["skipped"], s["refreshes"]) for s in skipped["per_step"]] == [
+        (1, False, 25), (2, True, 0), (3, False, 25)]
+    assert skipped["guard_skips"][0]["step"] == 2 and skipped["guard_skips"][0]["reason"] == "non-finite gradient"
+    assert checks["probe/mxfp8: the skipped step refreshes no weight, every other step each weight once"]["ok"]
+    recompute = [c for name, c in checks.items() if name.startswith("recompute/mxfp8 vs main/mxfp8: ")]
+    assert len(recompute) == 7 and all(c["ok"] for c in recompute), recompute
+    gemms = report["sections"]["recompute_vs_off"]["mxfp8"]["gemms_per_step"]
+    assert gemms["full"]["dense_fprop"] == 2 * gemms["off"]["dense_fprop"] > 0
+    assert gemms["full"]["dense_wgrad"] == gemms["off"]["dense_wgrad"] > 0
+    figures = report["sections"]["q3_05_backward_gathers"]["bytes_received_per_rank_per_step"]
+    assert figures["spec_literal"]["backward"] == 2 * figures["product"]["backward"] > 0  # MXFP8: row and col alike
+    off = report["sections"]["low_precision_off"]["mxfp8"]
+    assert len(off["low_precision_modules"]) > 10 and off["parameters"][0]["low_precision_weights"] == 25
+    limitations = report["sections"]["limitations"]
+    assert len(limitations["open_questions"]) >= 1 and {d["row"] for d in limitations["deviations"]} >= {"Q3-05"}
+    for heading in ("## Skipped step", "## Recompute off vs full", "## Q3-05 backward gathers",
+                    "## Low precision off vs BF16 (design spec §17.4)",
+                    "## Known limitations and deviations from the spec (design spec §17.5)"):
+        assert heading in md, heading
 
 
 @pytest.mark.parametrize("broken", sorted(EXPECTED))
