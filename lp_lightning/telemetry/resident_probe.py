@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lp_lightning.observers import non_training
 from lp_lightning.telemetry.probe_base import ProbeCallback
 
 __all__ = ["LOW_PRECISION_PACKAGES", "GradientFingerprintProbe", "ResidentObjectsProbe", "low_precision_modules_loaded"]
@@ -96,8 +97,8 @@ class GradientFingerprintProbe(ProbeCallback):
     recorded as their IEEE bit patterns (int32). Bitwise-equal gradients give equal fingerprints; unequal
     ones differ with near certainty. ``per_step``: ``[{"step", "grads": {"<FQN>": [sum_bits, amax_bits]}}]``
     for steps ``1 .. steps`` of the fit call (``steps`` 0: every step); a Trainer callback. It costs two reductions per
-    parameter and one host copy per step: keep it out of timed steps (``lp-lightning st`` records only
-    warm-up steps of a main run).
+    parameter and one host copy per step, a ``non_training("probe_sample")`` range the step clock subtracts
+    (``lp-lightning st`` also records only warm-up steps of a main run).
 
     Args:
         steps: Fingerprint the first ``steps`` optimizer steps of the call (0: all).
@@ -127,7 +128,7 @@ class GradientFingerprintProbe(ProbeCallback):
             return
         model = pl_module.model if isinstance(getattr(pl_module, "model", None), torch.nn.Module) else pl_module
         names, values = [], []
-        with torch.no_grad():
+        with torch.no_grad(), non_training("probe_sample"):  # reductions and a host copy: no step time (observers)
             for name, param in model.named_parameters():
                 if param.grad is None:
                     continue
