@@ -1,7 +1,7 @@
 """The ``conformance`` row of ``lp-lightning st``: the run's backend against the emulation (docs/acceptance.md "Backend conformance").
 
 ``lp-lightning st --rows conformance`` runs :func:`lp_lightning.ops.conformance.run_conformance` for
-the backend and device the user's YAML trains with (:func:`conformance_target`: ``backend``, or for
+the backend and device the user's YAML trains with (:func:`lp_lightning.st.target.run_target`: ``backend``, or for
 ``auto`` the backend registered for ``trainer.accelerator``; device 0 of that accelerator), writes
 ``conformance.json`` under ``--out`` and turns the cases into one check per operation and format.
 A mismatch fails the row (so ``st`` exits 1); on the emulated backend the row is
@@ -19,7 +19,6 @@ from typing import Any
 
 from lp_lightning.ops.backend import (
     LowPrecisionUnsupportedError,
-    backend_for_device_type,
 )
 from lp_lightning.ops.conformance import (
     REFERENCE_BACKEND,
@@ -28,7 +27,7 @@ from lp_lightning.ops.conformance import (
 )
 from lp_lightning.st.verdict import Check, Row
 
-__all__ = ["FILE", "ROW_ID", "conformance_row", "conformance_rows", "conformance_section", "conformance_target"]
+__all__ = ["FILE", "ROW_ID", "conformance_row", "conformance_rows", "conformance_section"]
 
 ROW_ID = "conformance"
 FILE = "conformance.json"
@@ -36,33 +35,6 @@ NOT_APPLICABLE = (
     "the run's backend is the emulation, so this row would compare the emulation with itself; run st with the "
     "hardware backend (trainer.accelerator npu with backend auto or npu)"
 )
-
-
-def _accelerator_device_type(accelerator: str) -> str:
-    """The torch device type of a Lightning accelerator name (the npu accelerator's may be remapped in tests)."""
-    if accelerator == "npu":
-        from lp_lightning.lightning.accelerator import DEVICE_TYPE
-
-        return DEVICE_TYPE
-    return "cuda" if accelerator in ("cuda", "gpu") else "cpu"
-
-
-def conformance_target(parsed: Any) -> dict[str, dict[str, str]]:
-    """``{"conformance_target": {"backend", "device", "accelerator"}}`` of a parsed ``lp-lightning fit`` config.
-
-    ``backend: auto`` becomes the backend registered for the accelerator's device type (``npu`` on
-    the npu accelerator), else ``emulated``, as the startup gate resolves it (docs/architecture.md).
-
-    Args:
-        parsed: The namespace of :func:`lp_lightning.cli.fit.parse_config`.
-    """
-    accelerator = str(parsed.trainer.get("accelerator") or "cpu")
-    backend = str(parsed.get("backend") or "auto")
-    if backend == "auto":
-        backend = (backend_for_device_type(accelerator) if accelerator != "cpu" else None) or REFERENCE_BACKEND
-    device_type = _accelerator_device_type(accelerator)
-    device = device_type if device_type == "cpu" else f"{device_type}:0"
-    return {"conformance_target": {"backend": backend, "device": device, "accelerator": accelerator}}
 
 
 def _worst(case: ConformanceCase) -> str:
@@ -121,10 +93,10 @@ def conformance_row(backend: str, device: str, out: Path) -> Row:
 
 
 def conformance_rows(out: Path, meta: dict[str, Any], only: Sequence[str]) -> list[Row]:
-    """``[the conformance row]`` when ``only`` selects it, for the target ``meta`` holds (:func:`conformance_target`), else ``[]``."""
+    """``[the conformance row]`` when ``only`` selects it, for ``meta["target"]`` (:mod:`lp_lightning.st.target`), else ``[]``."""
     if ROW_ID not in only:
         return []
-    target = meta.get("conformance_target") or {"backend": REFERENCE_BACKEND, "device": "cpu"}
+    target = meta.get("target") or {"backend": REFERENCE_BACKEND, "device": "cpu"}
     return [conformance_row(target["backend"], target["device"], out)]
 
 

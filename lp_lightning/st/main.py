@@ -22,7 +22,7 @@ fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` 
 ``--thresholds`` names a valid thresholds YAML (:mod:`lp_lightning.st.thresholds`; every problem is
 listed); an NPU numerics target (the YAML's ``trainer.accelerator npu``) needs an importable torch_npu; a YAML
 with ``backend: emulated`` on the npu accelerator needs ``--allow_emulated true``
-(:mod:`lp_lightning.st.emulated_gate`).
+(:mod:`lp_lightning.st.target`).
 """
 
 from __future__ import annotations
@@ -41,17 +41,16 @@ from jsonargparse import ArgumentParser
 
 from lp_lightning.usage import usage_error_text
 from lp_lightning.models.adapter import adapter_for_config
-from lp_lightning.st.conformance_row import conformance_rows, conformance_target
+from lp_lightning.st.conformance_row import conformance_rows
 from lp_lightning.st.cases import (
     CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
 )
-from lp_lightning.st.emulated_gate import emulated_on_npu_error, run_target
 from lp_lightning.st.illegal import run_illegal_cases
 from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
 from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
 from lp_lightning.st.runner import RunResult, execute_run, load_run, reuse_mismatch
-from lp_lightning.st.target import check_numerics_device, numerics_target
+from lp_lightning.st.target import check_target_device, emulated_on_npu_error, run_target
 from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, Thresholds, load_thresholds, mark_provisional
 from lp_lightning.versions import software_versions
 
@@ -129,9 +128,9 @@ def _user_settings(
     never_replace = model_never_replace(parsed.model.config_name_or_path)
     devices = parsed.trainer.devices  # the default: the matrix needs a sharded FSDP2 group
     devices = max(int(devices), 2) if str(devices).isdigit() else 2
-    meta = {"config": config or "embedded default (dsv3-tiny)", **conformance_target(parsed),
-            **numerics_target(parsed.trainer.accelerator, parsed.backend).as_meta(),
-            **run_target(parsed)}  # accelerator, backend, emulated_on_npu: checked by _st before any run
+    # the target of N-1/N-2 and conformance; _st checks emulated_on_npu before any run
+    meta = {"config": config or "embedded default (dsv3-tiny)",
+            **run_target(parsed.trainer.accelerator, parsed.get("backend")).as_meta()}
     return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta
 
 
@@ -156,8 +155,8 @@ def _log(message: str) -> None:
 
 
 def _numerics(out: Path, meta: dict[str, Any], thresholds: Thresholds) -> tuple[dict[str, Any], list[Row]]:
-    """N-1/N-2 on the run's device and backend (``meta`` ``numerics_device``/``numerics_backend``)."""
-    target = {"device": meta["numerics_device"], "backend": meta["numerics_backend"]}
+    """N-1/N-2 on the run's device and backend (``meta["target"]``, :mod:`lp_lightning.st.target`)."""
+    target = {"device": meta["target"]["device"], "backend": meta["target"]["backend"]}
     operators = operator_numerics(**target, thresholds=thresholds)
     one_layer = one_layer_comparison(**target, thresholds=thresholds)
     plot_operator_numerics(operators, out / "operator_numerics.png")
@@ -324,11 +323,11 @@ def _st(
     if problems:
         parser.error("\n".join(problems))
     reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
-    if error := emulated_on_npu_error(meta, args.allow_emulated):
+    if error := emulated_on_npu_error(meta["target"]["emulated_on_npu"], args.allow_emulated):
         parser.error(error)
     try:
         if "numerics" not in args.skip:  # an NPU target without torch_npu stops before any run
-            check_numerics_device(meta["numerics_device"])
+            check_target_device(meta["target"]["device"])
     except RuntimeError as err:
         parser.error(str(err))
     if args.devices is None:

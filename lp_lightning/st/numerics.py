@@ -87,7 +87,7 @@ from lp_lightning.lightning.module import DeepSeekV3LM
 from lp_lightning.lightning.precision import precision_plugin
 from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.ops import GemmTraceEvent, record_gemms
-from lp_lightning.st.target import check_numerics_device
+from lp_lightning.st.target import check_target_device
 from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS, Thresholds
 from lp_lightning.tensor import QuantizedWeightTensor
 
@@ -261,7 +261,7 @@ def operator_numerics(
         seed: Seed of the inputs (``x``: ``seed``, ``W``: ``seed + 1``, ``dy``: ``seed + 2``).
         precisions: ``--precision`` values to score (``"mxfp8"``, ``"hif8"``); None = both.
         device: Where the operators and the golden run (``"cpu"``, ``"npu:0"``; the run's target,
-            :func:`lp_lightning.st.target.numerics_target`).
+            :func:`lp_lightning.st.target.run_target`).
         backend: The op backend of the low-precision GEMMs (``"emulated"``, ``"npu"``; ``"auto"``: the
             one registered for ``device``'s type, else ``emulated``).
         thresholds: The floors (``operator_sqnr_floor_db``, :mod:`lp_lightning.st.thresholds`).
@@ -279,13 +279,13 @@ def operator_numerics(
 
     Raises:
         ValueError: for an unknown name in ``precisions``.
-        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_numerics_device``), or
+        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_target_device``), or
             the BF16 golden is not within ``GOLDEN_MIN_SQNR_DB`` of FP64 (it could not
             stand in for FP64), or an operator did not emit exactly one GEMM per tensor.
     """
     rows: list[dict[str, Any]] = []
     formats = _formats(precisions)
-    target = check_numerics_device(device)
+    target = check_target_device(device)
     with _eager_codecs():
         for operator, reference in (("dense", _dense_reference), ("grouped", _grouped_reference)):
             x_cpu, master_cpu, dy_cpu = _operator_inputs(operator, seed)
@@ -447,7 +447,7 @@ def one_layer_comparison(
 
     Raises:
         ValueError: for an unknown name in ``precisions``.
-        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_numerics_device``), a
+        RuntimeError: ``device`` is unusable (an NPU without torch_npu: ``check_target_device``), a
             low-precision case ran no low-precision GEMM, or the bf16 case ran one.
     """
     start = time.perf_counter()
@@ -456,7 +456,7 @@ def one_layer_comparison(
     with _eager_codecs():
         vocab = _one_layer_vocab()
         ids = torch.randint(0, vocab, (batch, width), generator=torch.Generator().manual_seed(seed))
-        ids = ids.to(check_numerics_device(device))
+        ids = ids.to(check_target_device(device))
         steps = {"bf16": _one_layer_step("bf16", seed, ids, backend)}
         for precision, _ in formats:
             steps[precision] = _one_layer_step(precision, seed, ids, backend)

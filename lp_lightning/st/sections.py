@@ -39,7 +39,7 @@ from typing import Any
 from lp_lightning.lightning.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lp_lightning.st.cases import CASES, INJECTED_STEP, STSettings
 from lp_lightning.st.runner import RunResult
-from lp_lightning.st.verdict import Check, Row, _gemm_counts
+from lp_lightning.st.verdict import Row, _gemm_counts
 
 __all__ = [
     "backward_gather_evidence", "recompute_equality_checks", "report_sections", "sections_markdown",

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from jsonargparse import Namespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))  # the op fakes live with the op tests
 from deviant_torch_npu import DEVIATIONS
@@ -20,11 +19,8 @@ from fake_torch_npu import FakeTorchNpu
 from lp_lightning.cli import main
 from lp_lightning.lightning import accelerator
 from lp_lightning.ops.npu import clear_capability_cache
-from lp_lightning.st.conformance_row import (
-    conformance_row,
-    conformance_section,
-    conformance_target,
-)
+from lp_lightning.st.conformance_row import conformance_row, conformance_section
+from lp_lightning.st.target import run_target
 
 ONLY_CONFORMANCE = ["--rows", "[conformance]", "--skip", "[numerics]"]
 
@@ -42,7 +38,8 @@ def test_on_the_emulated_backend_the_row_is_not_applicable(tmp_path, capsys):
     assert row["id"] == "conformance" and row["verdict"] == "not-applicable"
     assert "compare the emulation with itself" in row["not_applicable_because"]
     assert json.loads((out / "conformance.json").read_text())["backend"] == "emulated"
-    assert report["conformance_target"] == {"backend": "emulated", "device": "cpu", "accelerator": "cpu"}
+    assert report["target"] == {"backend": "emulated", "device": "cpu", "accelerator": "cpu", "backend_requested": "auto",
+                                "emulated_on_npu": False}
     assert "## Backend conformance: **not-applicable**" in (out / "report.md").read_text()
     assert "conformance Backend conformance against the emulation  not-applicable" in capsys.readouterr().out
 
@@ -82,12 +79,12 @@ def test_a_backend_that_cannot_run_fails_the_row(tmp_path, monkeypatch):
 
 
 def test_the_target_comes_from_the_accelerator_and_backend_of_the_yaml(monkeypatch):
-    def parsed(accelerator: str, backend: str) -> Namespace:
-        return Namespace(trainer=Namespace(accelerator=accelerator), backend=backend)
+    def target(accelerator: str, backend: str) -> dict:
+        return run_target(accelerator, backend).as_meta()["target"]
 
-    assert conformance_target(parsed("npu", "auto"))["conformance_target"] == {
-        "backend": "npu", "device": "npu:0", "accelerator": "npu"}
-    assert conformance_target(parsed("cpu", "auto"))["conformance_target"]["backend"] == "emulated"
-    assert conformance_target(parsed("npu", "emulated"))["conformance_target"]["backend"] == "emulated"
+    assert target("npu", "auto") == {"backend": "npu", "device": "npu:0", "accelerator": "npu",
+                                     "backend_requested": "auto", "emulated_on_npu": False}
+    assert target("cpu", "auto")["backend"] == "emulated"
+    assert target("npu", "emulated")["backend"] == "emulated"
     monkeypatch.setattr(accelerator, "DEVICE_TYPE", "cpu")  # the fake NPU's devices mapped to CPU memory
-    assert conformance_target(parsed("npu", "auto"))["conformance_target"]["device"] == "cpu"
+    assert target("npu", "auto")["device"] == "cpu"

@@ -202,9 +202,10 @@ def test_the_emulated_backend_on_the_npu_stops_st_unless_allowed(capsys, tmp_pat
     code = st_main([*argv, "--allow_emulated", "true"], parse_config=_yaml_on_npu("emulated"), fit_main=main)
     assert code in (0, 1)  # Q3-10 fails: its part was skipped
     report = json.loads((out / "report.json").read_text())
-    assert (report["accelerator"], report["backend"], report["emulated_on_npu"]) == ("npu", "emulated", True)
-    assert "- emulated_on_npu: `true`" in (out / "report.md").read_text()
+    target = report["target"]
+    assert (target["accelerator"], target["backend"], target["emulated_on_npu"]) == ("npu", "emulated", True)
+    assert '"emulated_on_npu": true' in (out / "report.md").read_text()
     # backend auto on the npu accelerator is the npu backend: no stop.
     code = st_main(["--out", str(tmp_path / "auto"), "--rows", "[Q3-10]", "--reduced", "true", *QUICK],
                    parse_config=_yaml_on_npu("auto"), fit_main=main)
-    assert code in (0, 1) and json.loads((tmp_path / "auto" / "report.json").read_text())["emulated_on_npu"] is False
+    assert code in (0, 1) and json.loads((tmp_path / "auto" / "report.json").read_text())["target"]["emulated_on_npu"] is False

@@ -21,7 +21,7 @@ import torch
 
 from lp_lightning.ops.npu import clear_capability_cache
 from lp_lightning.st.numerics import one_layer_comparison, operator_numerics
-from lp_lightning.st.target import check_numerics_device, numerics_target
+from lp_lightning.st.target import check_target_device, emulated_on_npu_error, run_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))  # the op fake lives with the op tests
 from fake_torch_npu import FakeTorchNpu
@@ -34,22 +34,24 @@ from fake_torch_npu import FakeTorchNpu
     ("cpu", "npu", "cpu", "npu"),
 ])
 def test_the_yaml_accelerator_and_backend_name_the_target(accelerator, backend, device, resolved):
-    target = numerics_target(accelerator, backend)
+    target = run_target(accelerator, backend)
     assert (target.device, target.backend) == (device, resolved)
-    assert target.as_meta() == {"numerics_accelerator": accelerator, "numerics_device": device,
-                                "numerics_backend": resolved}
+    assert target.as_meta() == {"target": {"accelerator": accelerator, "device": device, "backend": resolved,
+                                           "backend_requested": backend,
+                                           "emulated_on_npu": (accelerator, resolved) == ("npu", "emulated")}}
+    assert (emulated_on_npu_error(target.emulated_on_npu, allow_emulated=False) is None) != target.emulated_on_npu
 
 
 def test_an_unknown_accelerator_and_an_npu_without_torch_npu_are_refused(monkeypatch):
-    with pytest.raises(ValueError, match=r"trainer.accelerator='tpu': st cannot place the layered numerics"):
-        numerics_target("tpu")
+    with pytest.raises(ValueError, match=r"trainer.accelerator='tpu': st cannot place the numerics and conformance"):
+        run_target("tpu")
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # `import torch_npu` fails as if not installed
     with pytest.raises(RuntimeError, match=r"st numerics on npu:0 \(trainer.accelerator npu\) need torch_npu.*"
                                            r"install lp-lightning\[npu\]"):
-        check_numerics_device("npu:0")
+        check_target_device("npu:0")
     with pytest.raises(RuntimeError, match=r"st numerics on npu:0 .* need torch_npu"):  # the Python entry points too
         operator_numerics(device="npu:0", precisions=["mxfp8"])
-    assert check_numerics_device(numerics_target("cpu").device) == torch.device("cpu")
+    assert check_target_device(run_target("cpu").device) == torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
