@@ -229,6 +229,7 @@ def _low_precision_off_section(runs: dict[str, RunResult], settings: STSettings)
         out[case] = {
             "low_precision_modules": first["modules"]["low_precision"],
             "top_level_packages": first["modules"]["top_level"],
+            "distributions": first["modules"].get("distributions", []),
             "lp_lightning_modules": len(first["modules"]["lp_lightning"]),
             "parameters": [r["parameters"] for r in ranks],
             "steady_step_time_s_mean": statistics.fmean(times) if times else None,
@@ -237,12 +238,12 @@ def _low_precision_off_section(runs: dict[str, RunResult], settings: STSettings)
     base = out.get("bf16")
     for case in _LP:
         if base and case in out:
-            out[case]["extra_top_level_packages"] = sorted(set(out[case]["top_level_packages"]) -
-                                                           set(base["top_level_packages"]))
+            out[case]["extra_distributions"] = sorted(set(out[case]["distributions"]) - set(base["distributions"]))
             t, b = out[case]["steady_step_time_s_mean"], base["steady_step_time_s_mean"]
             out[case]["step_time_ratio_to_bf16"] = t / b if t and b else None
     for entry in out.values():
         entry["top_level_packages"] = len(entry["top_level_packages"])
+        entry["distributions"] = len(entry["distributions"])
     return out
 
 
@@ -358,9 +359,10 @@ def sections_markdown(sections: dict[str, Any]) -> list[str]:
         rank0 = {c: off[c]["parameters"][0] if off[c]["parameters"] else {} for c in cases}
         md += [
             "| low-precision modules imported | " + " | ".join(str(len(off[c]["low_precision_modules"])) for c in cases) + " |",
-            "| top-level packages imported | " + " | ".join(str(off[c]["top_level_packages"]) for c in cases) + " |",
-            "| extra packages vs bf16 | " + " | ".join(", ".join(off[c].get("extra_top_level_packages", [])) or "—"
-                                                    for c in cases) + " |",
+            "| top-level packages / distributions imported | " + " | ".join(
+                f"{off[c]['top_level_packages']} / {off[c]['distributions']}" for c in cases) + " |",
+            "| extra distributions vs bf16 | " + " | ".join(", ".join(off[c].get("extra_distributions", [])) or "—"
+                                                         for c in cases) + " |",
             "| parameters by class (rank 0) | " + " | ".join(str(rank0[c].get("by_class")) for c in cases) + " |",
             "| 8-bit weights / storage MiB (rank 0) | " + " | ".join(
                 f"{rank0[c].get('low_precision_weights')} / {_mib(rank0[c].get('low_precision_storage_bytes'))}"

@@ -3,12 +3,17 @@
 :class:`ResidentObjectsProbe` reads, at the end of training, ``sys.modules`` and the model's
 parameters — nothing else — and writes ``resident_rank<r>.json``::
 
-    {"modules": {"top_level": [...], "lp_lightning": [...], "low_precision": [...]},
+    {"modules": {"top_level": [...], "distributions": [...], "generated_top_level": n,
+                 "lp_lightning": [...], "low_precision": [...]},
      "parameters": {"count", "by_class": {"<local tensor class>": n}, "master_bytes",
                     "low_precision_weights", "low_precision_storage_bytes",
                     "low_precision_storage_tensors"}}
 
-``top_level``: the top-level packages imported in the process (``torch``, ``lightning``, …);
+``top_level``: the top-level packages imported in the process that are the standard library's or an
+installed distribution's (``torch``, ``lightning``, …); ``distributions``: those distributions (the
+run's dependencies, :func:`importlib.metadata.packages_distributions`); ``generated_top_level``: how
+many other top-level modules were imported (code generated at run time, e.g. torch.compile's
+code-cache modules, named by a hash);
 ``low_precision``: the imported modules of the low-precision stack (the modules a bf16 run must not
 load, docs/architecture.md "Layers": ``formats`` beyond the registry, ``ops``, ``tensor``,
 ``functional``, ``modules``, ``fsdp`` beyond ``parallelize``/``optimizer``, the experts adapter,
@@ -19,6 +24,7 @@ weight"); its bytes are those of the storage tensors built at the last refresh, 
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from typing import Any
 
@@ -64,6 +70,9 @@ class ResidentObjectsProbe(ProbeCallback):
 
     def _payload(self) -> dict[str, Any]:
         modules = sorted(sys.modules)
+        owners = importlib.metadata.packages_distributions()  # top-level import name -> distributions
+        imported = {m.split(".", 1)[0] for m in modules if not m.startswith("_")}
+        top_level = sorted(t for t in imported if t in sys.stdlib_module_names or t in owners)
         by_class: dict[str, int] = {}
         count = master_bytes = weights = storage_bytes = storage_tensors = 0
         for param in (self._model.parameters() if self._model is not None else ()):
@@ -80,7 +89,9 @@ class ResidentObjectsProbe(ProbeCallback):
                 storage_tensors += len(storage)
                 storage_bytes += sum(t.numel() * t.element_size() for t in storage.values())
         return {
-            "modules": {"top_level": sorted({m.split(".", 1)[0] for m in modules if not m.startswith("_")}),
+            "modules": {"top_level": top_level,
+                        "distributions": sorted({d for t in top_level for d in owners.get(t, ())}),
+                        "generated_top_level": len(imported) - len(top_level),
                         "lp_lightning": [m for m in modules if m.startswith("lp_lightning")],
                         "low_precision": low_precision_modules_loaded(modules)},
             "parameters": {"count": count, "by_class": dict(sorted(by_class.items())), "master_bytes": master_bytes,

@@ -79,7 +79,8 @@ def test_recompute_matches_off_bitwise_with_fprop_doubled_and_names_the_first_di
 
 
 def _main(tmp_path, case: str, low_precision: list[str], packages: list[str], storage: int):
-    resident = {"modules": {"top_level": packages, "lp_lightning": ["lp_lightning"], "low_precision": low_precision},
+    resident = {"modules": {"top_level": packages, "distributions": packages, "generated_top_level": 0,
+                            "lp_lightning": ["lp_lightning"], "low_precision": low_precision},
                 "parameters": {"count": 39, "by_class": {"Tensor": 39}, "low_precision_weights": 25 if storage else 0,
                                "low_precision_storage_bytes": storage}}
     return run_result(f"main/{case}", tmp_path / case,
@@ -96,7 +97,7 @@ def test_low_precision_off_and_the_limitations_sections(tmp_path):
     failing.check("accum/mxfp8 rank 0: no refresh on a micro-step", False, 3, 0)
     sections = report_sections([na, failing], [], runs, SETTINGS)
     off = sections["low_precision_off"]
-    assert off["bf16"]["low_precision_modules"] == [] and off["mxfp8"]["extra_top_level_packages"] == ["triton"]
+    assert off["bf16"]["low_precision_modules"] == [] and off["mxfp8"]["extra_distributions"] == ["triton"]
     assert off["mxfp8"]["step_time_ratio_to_bf16"] == 1.0
     lim = sections["limitations"]
     assert len(lim["open_questions"]) == 7 and lim["open_questions"][0].startswith("1. The exact HR")

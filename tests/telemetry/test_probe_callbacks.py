@@ -439,3 +439,18 @@ def test_a_device_profile_without_kernels_is_labelled_host():
     assert "torch.profiler records no npu activity here" in figures["source_reason"]
     assert time_shares(prof.events(), "cuda", device_recorded=True)["source_reason"] == (
         "no cuda kernel recorded inside the profiled steps")
+
+
+def test_the_resident_probe_counts_distributions_not_generated_code(monkeypatch):
+    """§17.4 "extra dependencies": installed distributions and the standard library, never torch.compile's
+    code-cache modules (top-level names that are hashes), which are counted apart."""
+    import types
+
+    from lp_lightning.telemetry.resident_probe import ResidentObjectsProbe
+
+    monkeypatch.setitem(sys.modules, "c25jtst7zsfacyijajb77jsa7kw2ya6q7egqdmo4ctkfwed", types.ModuleType("c25jt"))
+    modules = ResidentObjectsProbe()._payload()["modules"]
+    assert "c25jtst7zsfacyijajb77jsa7kw2ya6q7egqdmo4ctkfwed" not in modules["top_level"]
+    assert modules["generated_top_level"] >= 1
+    assert {"torch", "lightning", "json"} <= set(modules["top_level"])
+    assert {"torch", "lightning"} <= set(modules["distributions"]) and "json" not in modules["distributions"]
