@@ -485,6 +485,9 @@ def test_help_lists_every_subcommand_with_one_line(capsys):
         (["--trainer.max_step", "5"], "unrecognized arguments: --trainer.max_step 5"),  # no prefix matching
         (["--model.activation_checkpoint", "on"], 'Parser key "model.activation_checkpoint"'),
         (["--precision", "fp8"], "Expected a typing.Literal['bf16', 'mxfp8', 'hif8']"),
+        # a callback refusing its init_args: its own message, not jsonargparse's dump of the union it tried
+        (["--trainer.callbacks+=lp_lightning.telemetry.InjectNonFiniteGradient",
+          "--trainer.callbacks.step", "0"], "InjectNonFiniteGradient: step=0 must be an int >= 1"),
     ],
 )
 def test_a_usage_error_is_at_most_five_lines_without_the_usage(capsys, options, expected):

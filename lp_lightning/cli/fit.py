@@ -198,6 +198,17 @@ _REJECTED_SCALING = re.compile(r'Parser key "(?:low_precision\.)?scaling":\s*Exp
 """jsonargparse's error for a ``low_precision.scaling`` value outside its choices (``Literal``)."""
 
 
+def _refused_init_args(err: BaseException) -> str | None:
+    """The message of the class ``__init__`` error jsonargparse wrapped in ``err``, or ``None`` when ``err`` is
+    not such a wrapper (it has no cause: the error of a class built after parsing stays as it is)."""
+    inner, seen = err, 0
+    while inner.__cause__ is not None and seen < 16:
+        inner, seen = inner.__cause__, seen + 1
+    if inner is err or not isinstance(inner, (TypeError, ValueError)):
+        return None
+    return str(inner)  # it names the class, the value and the fix
+
+
 class _LPArgumentParser(LightningArgumentParser):
     """The CLI's parser: a usage error is one line and a pointer to ``--help``; options are never abbreviated.
 
@@ -449,9 +460,20 @@ class LPLightningCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        """Builds the model, data module and Trainer (the ``instantiate_classes`` stage event)."""
+        """Builds the model, data module and Trainer (the ``instantiate_classes`` stage event).
+
+        A class of the config that refuses its ``init_args`` (a callback's ``ValueError``, which
+        jsonargparse wraps in a dump of the union it tried) is a usage error: its own message, exit 2.
+        """
         with stage("instantiate_classes"):
-            super().instantiate_classes()
+            try:
+                super().instantiate_classes()
+            except (TypeError, ValueError) as err:
+                refused = _refused_init_args(err)
+                if refused is None:
+                    raise
+                subcommand = self.config.get("subcommand")
+                (self._subcommand_parsers[subcommand] if subcommand else self.parser).error(refused)
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:

@@ -99,7 +99,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
                         help="Q3 rows (and conformance: the backend against the emulation) to evaluate; only the runs they "
                              "need are run (default: all).")
-    parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (their rows fail).")
+    parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (the rows that read them fail; "
+                        "skipped numerics leave N-1/N-2 out).")
     parser.add_argument("--reuse_runs", type=bool, default=False,
                         help="Read the runs already under --out instead of running them again (re-report).")
     parser.add_argument("--reduced", type=bool, default=False,
@@ -325,11 +326,6 @@ def _st(
     reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
     if error := emulated_on_npu_error(meta["target"]["emulated_on_npu"], args.allow_emulated):
         parser.error(error)
-    try:
-        if "numerics" not in args.skip:  # an NPU target without torch_npu stops before any run
-            check_target_device(meta["target"]["device"])
-    except RuntimeError as err:
-        parser.error(str(err))
     if args.devices is None:
         settings = dataclasses.replace(settings, devices=devices)
     config = Path(args.config).resolve() if args.config else None
@@ -338,6 +334,11 @@ def _st(
     try:
         reused = _reused_runs(out, specs, settings, config) if args.reuse_runs else set()
     except ValueError as err:
+        parser.error(str(err))
+    try:  # an NPU target without torch_npu stops before any run, numerics or conformance uses the device
+        if "numerics" not in args.skip or "conformance" in args.rows or any(s.name not in reused for s in specs):
+            check_target_device(meta["target"]["device"])
+    except RuntimeError as err:
         parser.error(str(err))
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

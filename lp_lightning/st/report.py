@@ -502,7 +502,8 @@ def write_report(
 
     A plot or table without data is left out and the report says what did not run instead. ``thresholds``
     (the tolerances the rows used) is recorded verbatim (``report.json`` ``thresholds``, a report.md
-    section); ``summary.provisional`` counts the passes, Q3 and N rows, that rest on a built-in one.
+    section). ``summary`` counts the verdicts of every row, Q3, ``conformance`` and N (the exit status
+    reads them all); ``summary.provisional`` the passes that rest on a built-in threshold.
     """
     plots: dict[str, str] = {}
     perf = performance_section(runs, settings)
@@ -522,7 +523,7 @@ def write_report(
     write_per_step_csv(runs, out / "per_step.csv")
     report = {
         "rows": [r.as_dict() for r in rows],
-        "summary": {v: sum(r.verdict == v for r in rows) for v in ("pass", "fail", "not-applicable")}
+        "summary": {v: sum(r.verdict == v for r in [*rows, *numerics_rows]) for v in ("pass", "fail", "not-applicable")}
         | {"provisional": sum(r.provisional and r.verdict == "pass" for r in [*rows, *numerics_rows])},
         "thresholds": thresholds.as_report(),
         "numerics": {**{k: v for k, v in numerics.items() if k != "plots"}, "checks": [r.as_dict() for r in numerics_rows]},
@@ -538,7 +539,7 @@ def write_report(
     (out / "report.json").write_text(json.dumps(_json_safe(report), indent=1, default=str) + "\n")
     counts = ", ".join(f"{n} {verdict}" for verdict, n in report["summary"].items() if verdict != "provisional")
     if report["summary"]["provisional"]:
-        counts += f" ({report['summary']['provisional']} Q3/N passes on provisional thresholds)"
+        counts += f" ({report['summary']['provisional']} of the passes on provisional thresholds)"
     title = "Reduced smoke run (not an acceptance)" if settings.reduced else "Acceptance report (design spec §17)"
     md = [f"# {title}: {counts}", ""] + _header(settings, runs, meta)
     md += ["", "| row | scenario | verdict |", "|---|---|---|"]

@@ -381,7 +381,8 @@ def sections_markdown(sections: dict[str, Any]) -> list[str]:
     lim = sections["limitations"]
     md += ["## Known limitations and deviations from the spec (design spec §17.5)", "", "Open questions "
            "(docs/formats.md):", ""] + [f"- {q}" for q in lim["open_questions"]] + ["", "Deviations from the spec:", ""]
-    md += [f"- {d['row']}: {d['text']}" for d in lim["deviations"]] + ["", "Not applicable here:", ""]
+    md += [f"- {d['row']}: {d['text']}" for d in lim["deviations"]] or ["- none"]
+    md += ["", "Not applicable here:", ""]
     md += [f"- {n['row']} {n['title']}: {n['why']}" for n in lim["not_applicable"]] or ["- none"]
     md += ["", "Open issues (failing rows, runs that did not finish):", ""]
     md += [f"- {f['row']} {f['title']}: {'; '.join(f['checks'])}" for f in lim["failing_rows"]]

@@ -125,12 +125,12 @@ def check_target_device(device: torch.device | str) -> torch.device:
             torch_npu = importlib.import_module("torch_npu")  # renames PrivateUse1 to "npu"
         except ImportError as err:
             raise RuntimeError(
-                f"st numerics on {device} (trainer.accelerator npu) need torch_npu, which does not import "
+                f"st on {device} (trainer.accelerator npu) needs torch_npu, which does not import "
                 f"({err}); install lp-lightning[npu] with the node's CANN, or set trainer.accelerator cpu."
             ) from None
         if not torch_npu.npu.is_available():
-            raise RuntimeError(f"st numerics on {device}: torch_npu sees no NPU (torch_npu.npu.is_available() "
+            raise RuntimeError(f"st on {device}: torch_npu sees no NPU (torch_npu.npu.is_available() "
                                "is False); check ASCEND_RT_VISIBLE_DEVICES and the driver, or set trainer.accelerator cpu.")
     elif kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"st numerics on {device}: CUDA is not available; set trainer.accelerator cpu.")
+        raise RuntimeError(f"st on {device}: CUDA is not available; set trainer.accelerator cpu.")
     return torch.device(device)

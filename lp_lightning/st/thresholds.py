@@ -29,6 +29,7 @@ first A5 collection: until then a row that passes on a built-in value passes *pr
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,6 +198,27 @@ def _check(data: Any, builtin: Any, path: str, key: _Key, problems: list[str], l
     leaves[path] = value
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``1e-3`` as a number (YAML 1.2, as the fit YAMLs read it; YAML 1.1 wants
+    ``1.0e-3``) and refuses a key given twice (PyYAML keeps the last one silently)."""
+
+
+def _mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} given twice (line {key_node.start_mark.line + 1}); keep one", None)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
 def load_thresholds(path: str | Path) -> Thresholds:
     """Reads a thresholds YAML (module docstring) over the built-ins.
 
@@ -207,22 +229,25 @@ def load_thresholds(path: str | Path) -> Thresholds:
         The :class:`Thresholds`: the file's leaves, the built-ins elsewhere, the file's path and text.
 
     Raises:
-        ValueError: the file is missing or unreadable, not YAML, not a map, or has unknown keys,
-            non-numbers or values out of range; every problem on its own line, naming the key and the fix.
+        ValueError: the file is missing, unreadable or not UTF-8, not YAML, empty, not a map, or has a
+            key twice, unknown keys, non-numbers or values out of range; every problem on its own line,
+            naming the key and the fix.
     """
     file = Path(path)
     try:
         text = file.read_text()
-    except OSError as err:
-        raise ValueError(f"--thresholds {str(file)!r}: cannot read it ({err.strerror or err}); name a YAML file "
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"--thresholds {str(file)!r}: cannot read it ({why}); name a UTF-8 YAML file "
                          "like configs/st_thresholds.yaml.") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as err:
         raise ValueError(f"--thresholds {str(file)!r}: not valid YAML ({str(err).splitlines()[0]}); fix the syntax "
                          "(configs/st_thresholds.yaml is an example).") from None
     if data is None:
-        data = {}
+        raise ValueError(f"--thresholds {str(file)!r}: the file sets no threshold; set at least one key of "
+                         "configs/st_thresholds.yaml, or leave --thresholds out for the built-ins (provisional).")
     if not isinstance(data, Mapping):  # a bad file is a ValueError whatever is wrong in it (the CLI exits 2)
         raise ValueError(  # noqa: TRY004
             f"--thresholds {str(file)!r}: a map of keys {sorted(THRESHOLD_KEYS)} is expected, got "

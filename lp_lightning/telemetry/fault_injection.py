@@ -58,8 +58,9 @@ class InjectNonFiniteGradient(ProbeCallback):
         out_dir: Folder of ``inject_rank<r>.json``; ``null`` = ``<trainer.default_root_dir>/probes``.
 
     Raises:
-        ValueError: ``step`` < 1, an unknown ``value`` or ``rank`` < 0 (at construction); at the
-            step, no parameter matching ``parameter`` holds a non-empty gradient on ``rank``.
+        ValueError: ``step`` < 1, an unknown ``value`` or ``rank`` < 0 (at construction); ``parameter``
+            matches no FQN of the model (when the fit starts); at the step, no parameter matching
+            ``parameter`` holds a non-empty gradient on ``rank``.
     """
 
     kind = "inject"
@@ -81,6 +82,12 @@ class InjectNonFiniteGradient(ProbeCallback):
 
     def _on_start(self) -> None:
         self._injected = []
+        model = self._model
+        model = model.model if isinstance(getattr(model, "model", None), torch.nn.Module) else model
+        names = [_plain_fqn(n) for n, _ in model.named_parameters()] if model is not None else []
+        if names and not any(fnmatch.fnmatch(n, self.parameter) for n in names):  # fail at the start, not the step
+            raise ValueError(f"InjectNonFiniteGradient: parameter={self.parameter!r} matches no parameter FQN of the "
+                             f"model (e.g. {names[0]!r}); fix the glob.")
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

@@ -56,6 +56,11 @@ def _fit(tmp_path, token_cache_dir, mode: str, recompute: str, steps: int, *extr
 def test_an_injected_nonfinite_gradient_skips_its_step_and_its_refresh(tmp_path, token_cache_dir, isolated_dist):
     with pytest.raises(ValueError, match=r"step=0 must be an int >= 1.*value='big' must be one of"):
         InjectNonFiniteGradient(step=0, value="big")
+    with pytest.raises(ValueError, match=r"parameter='nomatch\*' matches no parameter FQN of the model \(e.g. 'model"):
+        fit_tiny(tmp_path / "glob", datamodule=tiny_datamodule(token_cache_dir), max_steps=1,
+                 callbacks=[InjectNonFiniteGradient(step=1, parameter="nomatch*")])  # at the start, not the step
+    if torch.distributed.is_initialized():  # the failed fit's group; the run below starts its own
+        torch.distributed.destroy_process_group()
     inject = InjectNonFiniteGradient(step=2, parameter="model.layers.0.mlp.*", out_dir=str(tmp_path / "probes"))
     trainer, summary, refresh, _, grads = _fit(tmp_path, token_cache_dir, "mxfp8", "off", 3, inject)
     assert inject.result["injected"] == [{"step": 2, "fqn": "model.layers.0.mlp.gate_proj.weight", "rank": 0,

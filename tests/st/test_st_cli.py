@@ -187,6 +187,18 @@ def _yaml_on_npu(backend: str):
     return parse
 
 
+def test_an_npu_target_without_torch_npu_stops_st_before_its_runs(capsys, tmp_path, monkeypatch):
+    from lp_lightning.st.main import st_main
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed
+    out = tmp_path / "st"
+    with pytest.raises(SystemExit) as exit_info:  # numerics skipped: the runs need the device all the same
+        st_main(["--out", str(out), "--rows", "[Q3-01]", "--cases", "[bf16]", "--reduced", "true", *QUICK],
+                parse_config=_yaml_on_npu("auto"), fit_main=main)
+    assert exit_info.value.code == 2 and not out.exists()
+    assert "st on npu:0 (trainer.accelerator npu) needs torch_npu" in " ".join(capsys.readouterr().err.split())
+
+
 def test_the_emulated_backend_on_the_npu_stops_st_unless_allowed(capsys, tmp_path):
     from lp_lightning.st.main import st_main
 

@@ -46,10 +46,10 @@ def test_an_unknown_accelerator_and_an_npu_without_torch_npu_are_refused(monkeyp
     with pytest.raises(ValueError, match=r"trainer.accelerator='tpu': st cannot place the numerics and conformance"):
         run_target("tpu")
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # `import torch_npu` fails as if not installed
-    with pytest.raises(RuntimeError, match=r"st numerics on npu:0 \(trainer.accelerator npu\) need torch_npu.*"
+    with pytest.raises(RuntimeError, match=r"st on npu:0 \(trainer.accelerator npu\) needs torch_npu.*"
                                            r"install lp-lightning\[npu\]"):
         check_target_device("npu:0")
-    with pytest.raises(RuntimeError, match=r"st numerics on npu:0 .* need torch_npu"):  # the Python entry points too
+    with pytest.raises(RuntimeError, match=r"st on npu:0 .* needs torch_npu"):  # the Python entry points too
         operator_numerics(device="npu:0", precisions=["mxfp8"])
     assert check_target_device(run_target("cpu").device) == torch.device("cpu")
 

@@ -89,12 +89,25 @@ def test_a_bad_file_lists_every_problem_naming_the_key(tmp_path):
                   "max_step_time_ratio: nan is out of range",
                   "tolerance: unknown key; thresholds are ['max_step_time_ratio',"):
         assert words in message, (words, message)
-    for text, words in (("[1, 2]\n", "a map of keys"), ("a: [\n", "not valid YAML")):
+    for text, words in (("[1, 2]\n", "a map of keys"), ("a: [\n", "not valid YAML"),
+                        ("# only a comment\n", "the file sets no threshold"),
+                        ("resume_first_loss_rel: {bf16: 0.001, bf16: 0.5}\n", "key 'bf16' given twice (line 1)")):
         path.write_text(text)
         with pytest.raises(ValueError, match=re.escape(words)):
             load_thresholds(path)
     with pytest.raises(ValueError, match="cannot read it"):
         load_thresholds(tmp_path / "missing.yaml")
+    path.write_bytes(b"resume_first_loss_rel: {bf16: 0.001}  # \xff\n")
+    with pytest.raises(ValueError, match="cannot read it .*name a UTF-8 YAML file"):
+        load_thresholds(path)
+
+
+def test_a_number_in_exponent_notation_is_a_number(tmp_path):
+    path = tmp_path / "owner.yaml"
+    path.write_text("resume_first_loss_rel: {bf16: 1e-3, mxfp8: 5E-2}\n")  # YAML 1.2, as the fit YAMLs read it
+    owner = load_thresholds(path)
+    assert owner.get(None, "resume_first_loss_rel", "bf16") == 1e-3
+    assert owner.get(None, "resume_first_loss_rel", "mxfp8") == 5e-2
 
 
 def test_st_stops_on_a_bad_file_before_anything_runs(capsys, tmp_path):
@@ -157,7 +170,7 @@ def test_thresholds_round_trip_through_st(capsys, tmp_path):
     assert report["thresholds"]["provisional"] is True and "min_throughput_ratio" in report["thresholds"]["built_in"]
     assert "| Q3-11 | No performance regression | pass (provisional thresholds) |" in md
     assert "### N-3 Short-run loss and grad-norm curves (§17.3.2 item 3): **pass (provisional thresholds)**" in md
-    assert "(2 Q3/N passes on provisional thresholds)" in md.splitlines()[0] and "## Thresholds" in md
+    assert "2 pass, 0 fail, 0 not-applicable (2 of the passes on provisional thresholds)" in md.splitlines()[0] and "## Thresholds" in md
     assert re.search(r"Q3-11 +No performance regression +pass \(provisional thresholds\)", console)
 
     strict = tmp_path / "owner.yaml"
