@@ -130,6 +130,12 @@ _PRELOAD = ("lp_lightning.st.illegal_child", "lp_lightning.lightning", "lp_light
 imports done (~8 s each otherwise)."""
 
 
+FORKSERVER_LOST_STATUS = 255
+"""What ``multiprocessing``'s forkserver gives as a child's exit code when it could not read the status it
+forwards (CPython ``popen_forkserver.Popen.poll``: EOF on the sentinel); no ``fit`` exits with it. Seen once
+in a full ``st`` on a loaded 2-core machine, for a child that had printed its observation with status 2."""
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -185,6 +191,9 @@ def _run_one(case: IllegalCase, workdir: Path, timeout_s: float, context: Any, f
         exit_code = _spawn(case, workdir, timeout_s, fit_main)
     else:
         exit_code = _fork(case, workdir, timeout_s, context, fit_main)
+        if exit_code == FORKSERVER_LOST_STATUS:  # the forkserver's report was lost, not the child's status: once more
+            result["retried"] = f"the forkserver reported {FORKSERVER_LOST_STATUS} (status lost); ran the case again"
+            exit_code = _fork(case, workdir, timeout_s, context, fit_main)
     seconds = time.perf_counter() - start
     stdout = (case_dir / "stdout.txt").read_text(errors="replace")
     lines = [line[len(MARKER):] for line in stdout.splitlines() if line.startswith(MARKER)]

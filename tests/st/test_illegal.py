@@ -201,3 +201,20 @@ def test_every_illegal_case_fails_at_its_stage_and_a_legal_config_is_reported_as
     assert ["training_step", "entered"] in control["events"]
     assert "the run did not fail: the illegal value was accepted" in control["problems"]
     print(f"{len(ILLEGAL_CASES)} illegal cases + 1 legal control in {seconds:.1f} s")
+
+
+def test_a_status_the_forkserver_lost_runs_the_case_again(tmp_path, monkeypatch):
+    """255 is multiprocessing's forkserver saying it could not read a child's status (not the child's own)."""
+    from lp_lightning.st import illegal
+
+    real, calls = illegal._fork, []
+
+    def losing_once(*args, **kwargs):
+        calls.append(1)
+        status = real(*args, **kwargs)
+        return illegal.FORKSERVER_LOST_STATUS if len(calls) == 1 else status
+
+    monkeypatch.setattr(illegal, "_fork", losing_once)
+    (result,) = run_illegal_cases(tmp_path, cases=[CASES["comm-fusion"]], timeout_s=240, fit_main=main)
+    assert len(calls) == 2 and result["pass"] is True and result["exit_code"] == 2
+    assert result["retried"].startswith("the forkserver reported 255 (status lost)")
