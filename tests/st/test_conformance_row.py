@@ -19,7 +19,7 @@ from fake_torch_npu import FakeTorchNpu
 from lp_lightning.cli import main
 from lp_lightning.lightning import accelerator
 from lp_lightning.ops.npu import clear_capability_cache
-from lp_lightning.st.conformance_row import conformance_row, conformance_section
+from lp_lightning.st.conformance_row import conformance_row
 from lp_lightning.st.target import run_target
 
 ONLY_CONFORMANCE = ["--rows", "[conformance]", "--skip", "[numerics]"]
@@ -61,12 +61,17 @@ def test_a_deviating_npu_fails_the_row_and_st_exits_1(tmp_path, monkeypatch):
 
 def test_on_the_faithful_fake_npu_the_row_passes(tmp_path, monkeypatch):
     _install(monkeypatch, FakeTorchNpu())
-    row = conformance_row("npu", "cpu", tmp_path)
-    assert row.verdict == "pass" and len(row.checks) == 8  # four operations x two formats
-    assert all("of" in str(c.observed) and c.ok for c in row.checks)
-    section = "\n".join(conformance_section(tmp_path, [row]))
-    assert "52 cases, 0 failed" in section and "| failing case |" not in section
-    assert "- Q1: the npu backend makes no HR (CAST_HYBRID) cast" in section
+    config = tmp_path / "npu.yaml"
+    config.write_text("backend: npu\n")
+    out = tmp_path / "st"
+    assert main(["st", "--config", str(config), "--out", str(out), *ONLY_CONFORMANCE]) == 0  # st --rows conformance
+    (row,) = json.loads((out / "report.json").read_text())["rows"]
+    assert row["verdict"] == "pass" and len(row["checks"]) == 8  # four operations x two formats
+    assert all("of" in str(c["observed"]) and c["ok"] for c in row["checks"])
+    markdown = (out / "report.md").read_text()
+    assert "## Backend conformance: **pass**" in markdown and "52 cases, 0 failed" in markdown
+    assert "| failing case |" not in markdown and "- Q1: the npu backend makes no HR (CAST_HYBRID) cast" in markdown
+    assert conformance_row("npu", "cpu", tmp_path).verdict == "pass"  # the Python entry point agrees
 
 
 def test_a_backend_that_cannot_run_fails_the_row(tmp_path, monkeypatch):
