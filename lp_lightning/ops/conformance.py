@@ -29,9 +29,10 @@ The inputs are deterministic (a seeded CPU generator, then moved to the device) 
 values the formats' open points are about (docs/formats.md "Open questions"): exact ties, values
 next to a rounding boundary under a non-power-of-two scale, ±Inf, NaN, ±0, FP32 subnormals and the
 smallest E8M0 scales, blocks near the FP32 maximum, HiF8 inputs in [2^-23, 2^-22) and at the
-overflow threshold. From what the backend returned at those elements each open question gets a
-verdict line (:attr:`ConformanceResult.verdicts`); on the emulated backend every line says the run
-cannot settle it (the emulation would only be compared with its own decisions).
+overflow threshold (:mod:`lp_lightning.ops.conformance_inputs`). From what the backend returned
+at those elements each open question gets a verdict line (:attr:`ConformanceResult.verdicts`); on
+the emulated backend every line says the run cannot settle it (the emulation would only be compared
+with its own decisions).
 
 Tensor-name legend: ``x_*`` high-precision inputs, ``M``/``K``/``N`` GEMM dims, ``T`` tokens,
 ``E`` groups.
@@ -57,6 +58,13 @@ from lp_lightning.ops.backend import (
     get_backend_impl,
     parse_backend_name,
 )
+from lp_lightning.ops.conformance_inputs import (
+    EdgeInput,
+    edge_generator,
+    hif8_inputs,
+    mx_input,
+    wide_random,
+)
 from lp_lightning.ops.trace import record_gemms, record_quantizes
 
 __all__ = [
@@ -79,7 +87,6 @@ another device its own torch kernels (a vector division, a float8 cast) would be
 CONFORMANCE_FORMATS: tuple[str, ...] = ("mxfp8_e4m3", "hif8")
 """The formats whose operations :func:`run_conformance` knows how to exercise."""
 
-_SEED = 20260424
 _U32 = 2.0**-24
 _OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LAYOUTS = ("NN", "NT", "TN")
@@ -233,156 +240,6 @@ def gemm_error_bound(abs_sum: torch.Tensor, reference: torch.Tensor, k: int, out
 
 
 # ------------------------------------------------------------------------------------------------
-# Deterministic inputs with labelled edge elements.
-
-
-@dataclass
-class _Input:
-    """A high-precision input and the masks of its edge elements (label → bool mask of ``x``'s shape)."""
-
-    x: torch.Tensor
-    labels: dict[str, torch.Tensor]
-
-
-def _generator() -> torch.Generator:
-    return torch.Generator().manual_seed(_SEED)
-
-
-def _wide_random(gen: torch.Generator, shape: tuple[int, ...], low: int = -6, high: int = 6) -> torch.Tensor:
-    """Gaussian values times a per-row power of two in [2^low, 2^high] (exercises many scales)."""
-    rows = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
-    exponents = torch.randint(low, high + 1, (rows, 1), generator=gen).to(torch.float32)
-    x = torch.randn((rows, shape[-1]), generator=gen) * torch.exp2(exponents)
-    return x.reshape(shape)
-
-
-def _mx_tile(kind: str, gen: torch.Generator, rows: int) -> tuple[torch.Tensor, str | None]:
-    """A ``[rows, 32]`` tile of one edge kind and its label; a 32x32 tile is one block in both orientations."""
-    eye = torch.zeros((rows, 32), dtype=torch.bool)
-    eye[torch.arange(rows), torch.arange(rows) % 32] = True
-    if kind == "ties":  # amax 448 per block (scale 2^0), the rest exact E4M3 midpoints of both signs
-        ties = torch.tensor([t * 2.0**e for t in (1.0625, 1.1875, 1.3125) for e in range(-6, 8)]
-                            + [2.0**-10, 1.5 * 2.0**-9, 2.5 * 2.0**-9, 3.5 * 2.0**-9])
-        pick = torch.randint(0, ties.numel(), (rows, 32), generator=gen)
-        sign = torch.where(torch.rand((rows, 32), generator=gen) < 0.5, -1.0, 1.0)
-        return torch.where(eye, 448.0, ties[pick] * sign), "tie"
-    if kind == "zero":
-        return torch.zeros((rows, 32)), "zero_block"
-    if kind in ("nan", "+inf", "-inf"):
-        special = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf}[kind]
-        return torch.where(eye, special, torch.randn((rows, 32), generator=gen)), f"{kind}_block"
-    if kind == "tiny":  # the smallest E8M0 scales (2^-127 clamps) and FP32 subnormal inputs
-        exponents = torch.randint(-149, -108, (rows, 32), generator=gen).to(torch.float32)
-        return torch.exp2(exponents) * torch.where(torch.rand((rows, 32), generator=gen) < 0.5, -1.0, 1.0), "tiny_block"
-    if kind == "fp32_max":  # within 3 % of the FP32 maximum (RCEIL's one overflow case)
-        return (torch.rand((rows, 32), generator=gen) * 0.02 + 0.975) * 3.4e38, "fp32_max_block"
-    return _wide_random(gen, (rows, 32)), None
-
-
-_MX_TILES = (("ties", "zero", "random"), ("nan", "+inf", "-inf"), ("tiny", "fp32_max", "random"))
-
-
-def _mx_input(dtype: torch.dtype, cols: int = 96) -> _Input:
-    """``[80, cols]``: tile rows 0–31, 32–63 and a partial 64–79, tile columns of 32 (module docstring)."""
-    gen = _generator()
-    x = torch.empty((80, cols))
-    labels: dict[str, torch.Tensor] = {}
-    for ti, (r0, r1) in enumerate(((0, 32), (32, 64), (64, 80))):
-        for tj in range(cols // 32):
-            tile, label = _mx_tile(_MX_TILES[ti][tj], gen, r1 - r0)
-            x[r0:r1, 32 * tj: 32 * tj + 32] = tile
-            if label is not None:
-                mask = labels.setdefault(label, torch.zeros(x.shape, dtype=torch.bool))
-                mask[r0:r1, 32 * tj: 32 * tj + 32] = True
-    x = x.to(dtype)
-    if "tie" in labels:  # the amax elements are exact, not ties
-        labels["tie"] &= x.abs().to(torch.float32) != 448.0
-    return _Input(x, labels)
-
-
-def _hif8_specials() -> dict[str, list[float]]:
-    """HiF8 edge values under scale 1.0 (the quantizer's scale when amax is not finite)."""
-    ties = [t * s for s in (1.0, -1.0) for t in (
-        1.0625, 1.1875, 2.125, 4.25, 8.5, 14.5, 18.0, 320.0, 0.53125, 1.125 * 2**-4, 1.25 * 2**-8, 1.5 * 2**-18,
-        1.5 * 2**-22, 5120.0, 28672.0)]
-    sub = [2.0**-23, 1.5 * 2**-23, 1.999 * 2**-23, -(2.0**-23), -1.25 * 2**-23]
-    overflow = [40960.0, 1e9, -40960.0]
-    below = [40959.99, -40959.99, 32768.0]
-    tiny = [2.0**-24, 1e-40, -1e-40, 0.0, -0.0]
-    groups = {"tie": ties, "sub_2^-22": sub, "overflow": overflow, "below_overflow": below, "zero_or_tiny": tiny,
-              "+inf": [math.inf], "-inf": [-math.inf], "nan": [math.nan]}
-    return groups
-
-
-def _labelled(shape: tuple[int, ...], gen: torch.Generator, groups: dict[str, list[float]], dtype: torch.dtype,
-              scale: float = 1.0, fill: Callable[[], torch.Tensor] | None = None) -> _Input:
-    """Random finite values (``fill``) with the labelled values ``groups`` (times ``scale``) at fixed places."""
-    x = (fill() if fill is not None else torch.randn(shape, generator=gen)).reshape(-1).clone()
-    labels: dict[str, torch.Tensor] = {}
-    position = 0
-    stride = max(1, x.numel() // max(1, sum(len(v) for v in groups.values())) - 1)
-    assert stride * sum(len(v) for v in groups.values()) <= x.numel(), "conformance: too many edge values"
-    for label, values in groups.items():
-        mask = torch.zeros(x.numel(), dtype=torch.bool)
-        for value in values:
-            x[position] = value * scale
-            mask[position] = True
-            position += stride
-        labels[label] = mask.reshape(shape)
-    x = x.reshape(shape).to(dtype)
-    return _Input(x, labels)
-
-
-_HIF8_TIES = (1.0625, 1.1875, 2.125, 4.25, 8.5, 14.5, 0.53125, 1.125 * 2**-4, 1.25 * 2**-8)
-"""HiF8 midpoints in the 3-, 2- and 1-bit mantissa bands (below 15, so they fit under amax 15 · scale)."""
-
-
-def _hif8_input(kind: str, shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) -> _Input:
-    """One HiF8 input of ``shape`` (module docstring); ``"amax"`` is placed first, so every input holds it.
-
-    - ``specials``: scale 1 (amax is not finite): ties of every band, [2^-23, 2^-22), the overflow
-      threshold, zeros and FP32 subnormals, ±Inf and NaN, as the codec sees them;
-    - ``ties``: amax 15 · 2^-3, so the scale is exactly 2^-3 and each x / scale an exact midpoint;
-    - ``near_ties``: amax 3.7, a non-power-of-two scale; x = fl32(m · scale) and its FP32 neighbours
-      for midpoints m sit next to a rounding boundary (the division's last bit decides the code).
-    """
-    numel = shape[0] * shape[1]
-    if kind == "specials":
-        return _labelled(shape, gen, _hif8_specials(), dtype)
-    if kind == "ties":
-        ties = [t * s for s in (1.0, -1.0) for t in (*_HIF8_TIES, 1.5 * 2**-18, 1.5 * 2**-22)]
-        groups = {"amax": [15.0], "tie": ties, "sub_2^-22": [2.0**-23, 1.5 * 2**-23]}
-        return _labelled(shape, gen, groups, dtype, scale=2.0**-3,
-                         fill=lambda: (torch.rand(numel, generator=gen) * 2 - 1) * 1.8)
-    scale = torch.tensor(3.7, dtype=torch.float32) / 15.0
-    near = []
-    for m in _HIF8_TIES:
-        centre = torch.tensor(m, dtype=torch.float32) * scale
-        near += [float(torch.nextafter(centre, torch.tensor(-math.inf))), float(centre),
-                 float(torch.nextafter(centre, torch.tensor(math.inf)))]
-    return _labelled(shape, gen, {"amax": [3.7], "near_tie": near}, torch.float32,
-                     fill=lambda: (torch.rand(numel, generator=gen) * 2 - 1) * 3.6)
-
-
-def _hif8_inputs(dtype: torch.dtype) -> dict[str, _Input]:
-    """The HiF8 inputs of :func:`_hif8_input`, 2-D, and a 3-D ``[4, 16, 24]`` weight whose groups are
-    ``ties``, ``specials``, all zero (scale 1) and ``near_ties``, each scaled on its own."""
-    gen = _generator()
-    inputs = {kind: _hif8_input(kind, shape, dtype, gen)
-              for kind, shape in (("specials", (16, 64)), ("ties", (32, 48)), ("near_ties", (32, 48)))}
-    parts = [_hif8_input("ties", (16, 24), dtype, gen), _hif8_input("specials", (16, 24), dtype, gen),
-             _Input(torch.zeros((16, 24), dtype=dtype), {}), _hif8_input("near_ties", (16, 24), dtype, gen)]
-    labels: dict[str, torch.Tensor] = {}
-    for index, part in enumerate(parts):
-        for label, mask in part.labels.items():
-            labels.setdefault(label, torch.zeros((4, 16, 24), dtype=torch.bool))[index] = mask
-    inputs["grouped"] = _Input(torch.stack([p.x.to(torch.float32) for p in parts]), labels)
-    for item in inputs.values():
-        item.labels.pop("amax", None)
-    return inputs
-
-
-# ------------------------------------------------------------------------------------------------
 # Running one case.
 
 
@@ -449,7 +306,7 @@ def _note(case: ConformanceCase, label: str, mask: torch.Tensor, seen: torch.Ten
                             "seen": f"0x{int(seen_codes[i]):02X}", "expected": f"0x{int(ref_codes[i]):02X}"}
 
 
-def _observe(case: ConformanceCase, item: _Input, seen: QuantizedOperand, reference: QuantizedOperand) -> None:
+def _observe(case: ConformanceCase, item: EdgeInput, seen: QuantizedOperand, reference: QuantizedOperand) -> None:
     """Per edge label: how many element codes differ and which codes the backend / the emulation gave
     there; for MX block scales also the scale codes of the blocks holding such elements (``"<label> scale"``)."""
     if seen.data.shape != reference.data.shape:
@@ -492,7 +349,7 @@ def _run(case: ConformanceCase, body: Callable[[], None], backend: str, events_o
     return case
 
 
-def _quantize_case(backend: str, device: torch.device, fmt: str, op: str, role: QuantizationRole, item: _Input,
+def _quantize_case(backend: str, device: torch.device, fmt: str, op: str, role: QuantizationRole, item: EdgeInput,
                    orientation: str | None, tag: str, group_list: Sequence[int] | None = None) -> ConformanceCase:
     quantizer = recipe_for(fmt).quantizer(role)
     params: dict[str, Any] = {"input": tag, "dtype": str(item.x.dtype).removeprefix("torch."),
@@ -576,8 +433,8 @@ def _gemm_operands(fmt: str, layout: str, gen: torch.Generator,
     right_shape = (k, n) if layout[1] == "N" else (n, k)
     left_orientation = "row" if layout[0] == "N" else "col"
     right_orientation = "col" if layout[1] == "N" else "row"
-    x_left = _wide_random(gen, left_shape, -3, 3)
-    x_right = _wide_random(gen, right_shape, -3, 3)
+    x_left = wide_random(gen, left_shape, -3, 3)
+    x_right = wide_random(gen, right_shape, -3, 3)
     x_left[:8, :32] = 0.0
     x_right[-32:, -8:] = 0.0
     left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_FWD), x_left.to(torch.bfloat16),
@@ -593,7 +450,7 @@ def _matmul_case(backend: str, device: torch.device, fmt: str, layout: str, outp
                            {"layout": layout, "output_dtype": dtype_name, "m": 40, "k": 96, "n": 24})
 
     def body() -> None:
-        left, right = _gemm_operands(fmt, layout, _generator())
+        left, right = _gemm_operands(fmt, layout, edge_generator())
         out = api.low_precision_matmul(_on(left, device), _on(right, device), layout=layout,
                                        output_dtype=output_dtype, backend=backend)
         ref = api.low_precision_matmul(left, right, layout=layout, output_dtype=output_dtype, backend=REFERENCE_BACKEND)
@@ -614,20 +471,20 @@ def _grouped_case(backend: str, device: torch.device, fmt: str, layout: str, out
     tokens, k, n = sum(_GROUP_LIST), 64, 40
 
     def body() -> None:
-        gen = _generator()
+        gen = edge_generator()
         groups = torch.tensor(_GROUP_LIST, dtype=torch.int64)
         counts = list(_GROUP_LIST)
         if layout == "TN":  # wgrad: out[g] = x_gᵀ · dy_g, both col operands quantized per group
-            x_TK = _wide_random(gen, (tokens, k), -3, 3).to(torch.bfloat16)
-            dy_TN = _wide_random(gen, (tokens, n), -3, 3).to(torch.bfloat16)
+            x_TK = wide_random(gen, (tokens, k), -3, 3).to(torch.bfloat16)
+            dy_TN = wide_random(gen, (tokens, n), -3, 3).to(torch.bfloat16)
             left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_BWD), x_TK, orientation="col",
                                 group_list=groups, backend=REFERENCE_BACKEND)
             right = api.quantize(recipe.quantizer(QuantizationRole.GRAD_OUTPUT), dy_TN, orientation="col",
                                  group_list=groups, backend=REFERENCE_BACKEND)
         else:  # fprop NN: x [T, K] · W[g] [K, N]; dgrad NT: dy [T, N] · W[g]ᵀ, W in the GMM view [E, K, N]
             width = k if layout == "NN" else n
-            x_TC = _wide_random(gen, (tokens, width), -3, 3).to(torch.bfloat16)
-            w_EKN = _wide_random(gen, (len(counts), k, n), -3, 3)
+            x_TC = wide_random(gen, (tokens, width), -3, 3).to(torch.bfloat16)
+            w_EKN = wide_random(gen, (len(counts), k, n), -3, 3)
             w_EKN[2] = 0.0
             left = api.quantize(recipe.quantizer(QuantizationRole.INPUT_FWD), x_TC, orientation="row",
                                 backend=REFERENCE_BACKEND)
@@ -666,15 +523,15 @@ def _mxfp8_cases(backend: str, device: torch.device) -> list[ConformanceCase]:
     fmt, cases = "mxfp8_e4m3", []
     role = QuantizationRole.INPUT_FWD
     for dtype in (torch.bfloat16, torch.float32):
-        item = _mx_input(dtype)
+        item = mx_input(dtype)
         for orientation in ("row", "col"):
             cases.append(_quantize_case(backend, device, fmt, "quantize", role, item, orientation, "edge tiles"))
         cases.append(_quantize_case(backend, device, fmt, "quantize_dual", QuantizationRole.WEIGHT_FWD, item, None,
                                     "edge tiles"))
-        grouped = _mx_input(dtype, cols=64)
+        grouped = mx_input(dtype, cols=64)
         cases.append(_quantize_case(backend, device, fmt, "quantize", QuantizationRole.INPUT_BWD, grouped, "col",
                                     "edge tiles", group_list=_GROUP_LIST))
-        weight = _Input(_wide_random(_generator(), (3, 64, 40)).to(dtype), {})
+        weight = EdgeInput(wide_random(edge_generator(), (3, 64, 40)).to(dtype), {})
         cases.append(_quantize_case(backend, device, fmt, "quantize_dual", QuantizationRole.WEIGHT_FWD, weight, None,
                                     "3-D weight"))
     return cases
@@ -682,7 +539,7 @@ def _mxfp8_cases(backend: str, device: torch.device) -> list[ConformanceCase]:
 
 def _hif8_cases(backend: str, device: torch.device) -> list[ConformanceCase]:
     fmt, cases = "hif8", []
-    inputs = {dtype: _hif8_inputs(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    inputs = {dtype: hif8_inputs(dtype) for dtype in (torch.float32, torch.bfloat16)}
     fwd, grad = QuantizationRole.INPUT_FWD, QuantizationRole.GRAD_OUTPUT
     for name in ("specials", "ties", "near_ties"):
         for orientation in ("row", "col"):
