@@ -38,13 +38,13 @@ from typing import Any
 import yaml
 
 from lp_lightning.formats.recipe import SQNR_FLOORS_DB
+from lp_lightning.st.cases import CASES, case_by_name
 from lp_lightning.st.verdict import Row, unit_roundoff
 
 __all__ = [
     "BUILTIN_THRESHOLDS",
     "THRESHOLD_KEYS",
     "Thresholds",
-    "builtin_thresholds",
     "load_thresholds",
     "mark_provisional",
     "precision_of_case",
@@ -53,12 +53,9 @@ __all__ = [
 
 _LOW_PRECISIONS = ("mxfp8", "hif8")
 _ROLES = ("fprop", "dgrad", "wgrad")
-_CASE_PRECISION = {"bf16": "bf16", "mxfp8": "mxfp8", "hif8_current": "hif8"}
-
-
 def precision_of_case(case: str) -> str:
     """The ``--precision`` value of an ST case (``"hif8_current"`` → ``"hif8"``), which keys the thresholds."""
-    return _CASE_PRECISION[case]
+    return case_by_name(case).precision
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,7 @@ THRESHOLD_KEYS: dict[str, _Key] = {
 
 def _builtin_values() -> dict[str, Any]:
     floors = {p: {r: float(SQNR_FLOORS_DB[(p, "gaussian", r)]) for r in _ROLES} for p in _LOW_PRECISIONS}
-    u = {precision_of_case(c): unit_roundoff(c) for c in _CASE_PRECISION}
+    u = {c.precision: unit_roundoff(c.name) for c in CASES}
     return {
         "resume_first_loss_rel": dict(u),
         "short_run_loss_rel": {p: u[p] for p in _LOW_PRECISIONS},
@@ -164,11 +161,6 @@ def _plain(values: Mapping[str, Any]) -> dict[str, Any]:
 
 BUILTIN_THRESHOLDS = Thresholds(_builtin_values())
 """The built-in thresholds: every leaf provisional (module docstring)."""
-
-
-def builtin_thresholds() -> Thresholds:
-    """:data:`BUILTIN_THRESHOLDS` (no file: every verdict that reads one is provisional)."""
-    return BUILTIN_THRESHOLDS
 
 
 def _check(data: Any, builtin: Any, path: str, key: _Key, problems: list[str], leaves: dict[str, float]) -> None:
