@@ -122,8 +122,9 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def insert_between_markers(readme: Path, block: str) -> None:
-    """Replaces the text between the :data:`MARK_BEGIN` and :data:`MARK_END` lines of ``readme`` with ``block``.
+def insert_between_markers(readme: Path, block: str, begin_mark: str = MARK_BEGIN, end_mark: str = MARK_END) -> None:
+    """Replaces the text between the ``begin_mark`` and ``end_mark`` lines of ``readme`` (default
+    :data:`MARK_BEGIN` / :data:`MARK_END`) with ``block``.
 
     Only markers alone on their line count: prose that names them (in backticks) is left alone.
 
@@ -131,11 +132,11 @@ def insert_between_markers(readme: Path, block: str) -> None:
         ValueError: ``readme`` lacks one of the two marker lines, or has them in the wrong order.
     """
     text = readme.read_text()
-    begin = re.search(rf"^{re.escape(MARK_BEGIN)}\n", text, re.MULTILINE)
-    end = re.search(rf"^{re.escape(MARK_END)}$", text[begin.end():], re.MULTILINE) if begin else None
+    begin = re.search(rf"^{re.escape(begin_mark)}\n", text, re.MULTILINE)
+    end = re.search(rf"^{re.escape(end_mark)}$", text[begin.end():], re.MULTILINE) if begin else None
     if begin is None or end is None:
-        raise ValueError(f"{readme}: needs a {MARK_BEGIN!r} line followed by a {MARK_END!r} line where the "
-                         "results table belongs; add them.")
+        raise ValueError(f"{readme}: needs a {begin_mark!r} line followed by a {end_mark!r} line where the "
+                         "table belongs; add them.")
     readme.write_text(f"{text[:begin.end()]}{block}{text[begin.end() + end.start():]}")
 
 
