@@ -109,7 +109,8 @@ _SCRIPT = textwrap.dedent(
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.logger", "false", "--run_summary.wire", "true",
         *[f"--trainer.callbacks+=lp_lightning.telemetry.{name}" for name in
-          ("RefreshProbe", "GemmTraceProbe", "GatherTraceProbe", "ScaleStatsProbe", "StepRecordProbe")],
+          ("RefreshProbe", "GemmTraceProbe", "GatherTraceProbe", "ScaleStatsProbe", "StepRecordProbe",
+           "LayerNumericsProbe")],
         "--trainer.callbacks+=lp_lightning.telemetry.ProfilerProbe", "--trainer.callbacks.start_step=1",
         "--trainer.callbacks.steps=1",
         "--trainer.callbacks+=lp_lightning.telemetry.TensorMemoryProbe", "--trainer.callbacks.warmup_steps=0",
@@ -157,6 +158,8 @@ def test_bf16_run_imports_no_low_precision_module(tmp_path):
     assert probe("gemm_trace")["counts"] == {} and probe("gather_trace")["events"] == []
     assert probe("scales")["records"] == [] and probe("scales")["histograms"] == {}
     assert probe("steps")["records"][0]["loss"] == summary["losses"][0]
+    assert probe("layer_numerics")["low_precision"] is False and probe("layer_numerics")["records"] == []
+    assert summary["layer_numerics"]["low_precision"] is False and summary["layer_numerics"]["series"] == {}
     profile = probe("profile")
     assert profile["window"] == [1, 1] and profile["categories_s"]["high_precision_mm"] > 0
     assert profile["categories_s"]["quantize"] == profile["categories_s"]["low_precision_mm"] == 0

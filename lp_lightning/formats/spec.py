@@ -171,6 +171,20 @@ class FormatSpec(abc.ABC):
         (the emulated backend asks for nothing else).
         """
 
+    def cast_saturated(self, operand: QuantizedOperand, source: torch.Tensor) -> torch.Tensor | None:
+        """Which elements of ``source`` the cast that made ``operand`` clamped: the stored element is the
+        format's largest finite magnitude and ``|source|`` exceeds the value it represents (a value that
+        merely rounds up to it does not count).
+
+        Args:
+            operand: The operand quantized from ``source`` (same logical shape).
+            source: The high-precision tensor.
+
+        Returns:
+            A bool tensor of ``source``'s shape, or ``None`` where the format cannot tell (the default).
+        """
+        return None
+
     def exact_gemm_dtype(self, operand: QuantizedOperand) -> torch.dtype:
         """The narrowest dtype in which this operand's :meth:`gemm_factors` values are exact.
 

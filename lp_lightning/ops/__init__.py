@@ -29,10 +29,12 @@ from lp_lightning.ops.backend import (
     use_backend,
 )
 from lp_lightning.ops.trace import (
+    GemmOperandsEvent,
     GemmRole,
     GemmTraceEvent,
     QuantizeTraceEvent,
     add_gemm_observer,
+    add_gemm_operands_observer,
     add_quantize_observer,
     add_range_observer,
     current_gemm_role,
@@ -45,12 +47,14 @@ from lp_lightning.ops.trace import (
 __all__ = [
     "Backend",
     "BackendName",
+    "GemmOperandsEvent",
     "GemmRole",
     "GemmTraceEvent",
     "Layout",
     "LowPrecisionUnsupportedError",
     "QuantizeTraceEvent",
     "add_gemm_observer",
+    "add_gemm_operands_observer",
     "add_quantize_observer",
     "add_range_observer",
     "backend_names",

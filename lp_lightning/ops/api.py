@@ -270,6 +270,9 @@ def low_precision_matmul(
         op=who, backend=name, format=fmt.name, layout=layout, left_shape=left.shape, right_shape=right.shape,
         output=out, num_groups=None, gemm_role=role, weight_fqn=trace.current_weight_fqn(),
     )
+    if trace.gemm_operands_observed():
+        trace.emit_gemm_operands(op=who, backend=name, layout=layout, left=left, right=right, group_list=None,
+                                 output=out, gemm_role=role, weight_fqn=trace.current_weight_fqn())
     return out
 
 
@@ -369,4 +372,7 @@ def low_precision_grouped_matmul(
         op=who, backend=name, format=fmt.name, layout=layout, left_shape=left.shape, right_shape=right.shape,
         output=out, num_groups=num_groups, gemm_role=role, weight_fqn=trace.current_weight_fqn(),
     )
+    if trace.gemm_operands_observed():
+        trace.emit_gemm_operands(op=who, backend=name, layout=layout, left=left, right=right, group_list=group_list,
+                                 output=out, gemm_role=role, weight_fqn=trace.current_weight_fqn())
     return out

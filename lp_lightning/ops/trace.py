@@ -49,17 +49,21 @@ __all__ = [
     "GROUPED_MATMUL_LABEL",
     "MATMUL_LABEL",
     "QUANTIZE_LABEL",
+    "GemmOperandsEvent",
     "GemmRole",
     "GemmTraceEvent",
     "ObserverHandle",
     "QuantizeTraceEvent",
     "add_gemm_observer",
+    "add_gemm_operands_observer",
     "add_quantize_observer",
     "add_range_observer",
     "current_gemm_role",
     "current_weight_fqn",
     "emit",
+    "emit_gemm_operands",
     "emit_quantize",
+    "gemm_operands_observed",
     "gemm_role",
     "profiled",
     "quantize_observed",
@@ -220,12 +224,40 @@ class QuantizeTraceEvent:
     device: str
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class GemmOperandsEvent:
+    """One ``low_precision_matmul`` / ``low_precision_grouped_matmul`` call with its tensors, as seen by
+    GEMM-operand observers (built only while one is registered, :func:`add_gemm_operands_observer`).
+
+    Attributes:
+        op: ``"low_precision_matmul"`` or ``"low_precision_grouped_matmul"``.
+        backend: The backend that computed ``output``.
+        layout: ``"NN"``, ``"NT"`` or ``"TN"`` (``output = op(left) · op(right)``, per group when grouped).
+        left, right: The ``QuantizedOperand`` arguments (read only).
+        group_list: ``int64 [E]`` rows per group of a grouped GEMM, else None.
+        output: The result tensor (read only).
+        gemm_role: The role declared around the call, or None.
+        weight_fqn: FQN of the weight whose GEMM this is, or None.
+    """
+
+    op: str
+    backend: str
+    layout: str
+    left: QuantizedOperand
+    right: QuantizedOperand
+    group_list: torch.Tensor | None
+    output: torch.Tensor
+    gemm_role: GemmRole | None
+    weight_fqn: str | None
+
+
 Observer = Callable[[GemmTraceEvent], None]
 
 _role_var: contextvars.ContextVar[GemmRole | None] = contextvars.ContextVar("lp_lightning_gemm_role", default=None)
 _fqn_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("lp_lightning_weight_fqn", default=None)
 _OBSERVERS: Observers[GemmTraceEvent] = Observers("add_gemm_observer")
 _QUANTIZE_OBSERVERS: Observers[QuantizeTraceEvent] = Observers("add_quantize_observer")
+_GEMM_OPERAND_OBSERVERS: Observers[GemmOperandsEvent] = Observers("add_gemm_operands_observer")
 
 
 @contextlib.contextmanager
@@ -313,6 +345,37 @@ def record_quantizes() -> Iterator[list[QuantizeTraceEvent]]:
     events: list[QuantizeTraceEvent] = []
     with add_quantize_observer(events.append):
         yield events
+
+
+def add_gemm_operands_observer(observer: Callable[[GemmOperandsEvent], None]) -> ObserverHandle:
+    """Register a callable that receives a :class:`GemmOperandsEvent` after every low-precision GEMM
+    (process-wide, all threads); it may read the operands and the output but must not write them.
+
+    While none is registered no such event is built.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the observer (also a context manager).
+
+    Raises:
+        TypeError: if ``observer`` is not callable.
+    """
+    return _GEMM_OPERAND_OBSERVERS.add(observer)
+
+
+def gemm_operands_observed() -> bool:
+    """Whether a GEMM-operand observer is registered (the GEMM entry points build no event otherwise)."""
+    return bool(_GEMM_OPERAND_OBSERVERS)
+
+
+def emit_gemm_operands(
+    *, op: str, backend: str, layout: str, left: QuantizedOperand, right: QuantizedOperand,
+    group_list: torch.Tensor | None, output: torch.Tensor, gemm_role: GemmRole | None, weight_fqn: str | None,
+) -> None:
+    """Deliver one finished GEMM with its tensors to every GEMM-operand observer (internal use)."""
+    _GEMM_OPERAND_OBSERVERS.notify(GemmOperandsEvent(
+        op=op, backend=backend, layout=layout, left=left, right=right, group_list=group_list, output=output,
+        gemm_role=gemm_role, weight_fqn=weight_fqn,
+    ))
 
 
 def quantize_observed() -> bool:

@@ -10,6 +10,7 @@ import nothing low-precision until a low-precision run starts.
 """
 
 from lp_lightning.telemetry.fault_injection import InjectNonFiniteGradient
+from lp_lightning.telemetry.layer_numerics import LayerNumericsProbe
 from lp_lightning.telemetry.memory_probe import TensorMemoryProbe
 from lp_lightning.telemetry.probe_callbacks import (
     GatherTraceProbe,
@@ -28,6 +29,7 @@ __all__ = [
     "GemmTraceProbe",
     "HighPrecisionGemmProbe",
     "InjectNonFiniteGradient",
+    "LayerNumericsProbe",
     "ProbeCallback",
     "ProfilerProbe",
     "RefreshProbe",

@@ -6,7 +6,7 @@ low-precision hooks that :class:`~lp_lightning.telemetry.probes.HighPrecisionGem
 low-precision GEMM entry point is running (``current_gemm_role``), reads the names of the
 low-precision autograd nodes (``LOW_PRECISION_BACKWARD_NODES``) and runs the codec kernels eagerly
 while it is active (``compiled_kernels_enabled`` / ``set_compiled_kernels``). The probe callbacks
-subscribe through the event hooks re-exported here (refresh, range, GEMM, quantize and gather
+subscribe through the event hooks re-exported here (refresh, range, GEMM, GEMM-operand, quantize and gather
 observers, ``is_low_precision_weight``). This module imports that stack at module top; :func:`lp_lightning.telemetry.probes.low_precision_recorders` loads it in a
 low-precision run (and for the opt-in GEMM probe), so a bf16 run imports none of it.
 """
@@ -20,7 +20,9 @@ from lp_lightning.formats import compiled_kernels_enabled, set_compiled_kernels
 from lp_lightning.fsdp.gather import add_gather_observer
 from lp_lightning.fsdp.refresh import RefreshRecorder
 from lp_lightning.functional import LOW_PRECISION_BACKWARD_NODES
-from lp_lightning.ops import add_gemm_observer, add_quantize_observer, add_range_observer, current_gemm_role
+from lp_lightning.ops import (
+    add_gemm_observer, add_gemm_operands_observer, add_quantize_observer, add_range_observer, current_gemm_role,
+)
 from lp_lightning.tensor import add_refresh_observer, is_low_precision_weight
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS
 
@@ -30,6 +32,7 @@ __all__ = [
     "RefreshCounter",
     "add_gather_observer",
     "add_gemm_observer",
+    "add_gemm_operands_observer",
     "add_quantize_observer",
     "add_range_observer",
     "add_refresh_observer",

@@ -221,6 +221,17 @@ class RunSummary:
         "`torch.distributed` functions (`lp_lightning.telemetry.probes`).",
         "bytes per optimizer step",
     )
+    layer_numerics: dict[str, Any] | None = _key(
+        "Opt-in (a `LayerNumericsProbe` among the callbacks; `null` otherwise), rank 0: `low_precision` (`false` in "
+        "bf16: nothing compared), `sample_every`, "
+        "`sampled_steps`, `cost_s_per_sampled_step` (the probe's own seconds on a sampled step, left out of "
+        "`step_times_s`) and `cost_vs_step_time`, `unmatched_operands` (GEMM operands whose source was not seen: 0 "
+        "expected), `nonfinite_outputs`, `worst_sqnr` (the ten FQN/role series of lowest mean GEMM SQNR against BF16) "
+        "and `series` (`\"<fqn>/<role>\"`: `steps`, `sqnr_db`, `cosine`, `rel_bias`, `nonfinite` per sampled step; "
+        "per operand the worst `flush_frac`, `saturated_frac`, cast `sqnr_db`, `amax` and the scale range in log2), "
+        "`plot` (`layer_numerics.png`). Docs: docs/outputs.md \"Per-layer numerics\".",
+        "dB, ratios, s",
+    )
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object: every key, in field order."""

@@ -33,6 +33,7 @@ from lp_lightning.lightning.strategy import FSDP2Strategy
 from lp_lightning.telemetry.loss_plot import finished_line, loss_plot_path, write_loss_plot
 from lp_lightning.telemetry.memory_probe import COMPONENTS, SOURCE, TensorMemoryProbe
 from lp_lightning.telemetry.profile_probe import ProfilerProbe
+from lp_lightning.telemetry.layer_numerics import LayerNumericsProbe
 from lp_lightning.telemetry.probes import GEMM_ROLE_KEYS, HighPrecisionGemmProbe, WireRecorder, low_precision_recorders
 from lp_lightning.telemetry.schema import RunSummary
 from lp_lightning.telemetry.step_clock import StepClock
@@ -432,6 +433,8 @@ class RunSummaryCallback(Callback):
             "nonfinite": self._nonfinite(trainer),
             "stop_signal": self._stop_signal(trainer),
             **self._low_precision_sections(trainer),
+            "layer_numerics": next((c.summary() for c in trainer.callbacks  # type: ignore[attr-defined]
+                                    if isinstance(c, LayerNumericsProbe)), None),
         }).as_dict()
 
     def _stop_signal(self, trainer: pl.Trainer) -> dict[str, Any] | None:

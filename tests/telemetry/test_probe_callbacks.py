@@ -328,6 +328,8 @@ trainer:
     - class_path: lp_lightning.telemetry.ScaleStatsProbe
     - class_path: lp_lightning.telemetry.StepRecordProbe
     - class_path: lp_lightning.telemetry.probes.HighPrecisionGemmProbe
+    - class_path: lp_lightning.telemetry.LayerNumericsProbe
+      init_args: {sample_every: 1, plot: false}
 """
 
 
@@ -373,6 +375,18 @@ def test_two_process_cli_run_writes_per_rank_files_with_equal_gathered_weights(t
         weights = [r for r in rank_file["records"] if r["role"] == "weight" and r["weight_fqn"] not in GROUPED]
         assert weights and all(r["amax_source"] == "event" and r["matches"] for r in weights)  # cross-rank MAX
     assert files["steps"][0]["records"][0]["loss"] == files["steps"][1]["records"][0]["loss"]
+    # the layer numerics on sharded masters: each rank gathers every master whole (DTensor.full_tensor), so the
+    # weight operands' cast statistics are the same on both ranks while the activations differ (other tokens)
+    numerics = [_read(root, "layer_numerics", rank) for rank in (0, 1)]
+    assert summary["layer_numerics"]["unmatched_operands"] == 0 and summary["layer_numerics"]["sampled_steps"] == [1, 2]
+    for step in (0, 1):
+        gemms = [f["records"][step]["gemms"] for f in numerics]
+        assert gemms[0].keys() == gemms[1].keys() and len(gemms[0]) == 3 * WEIGHTS
+        assert all(not f["records"][step]["unmatched_operands"] for f in numerics)
+        for name in (n for n in gemms[0] if n.endswith("fprop")):
+            assert gemms[0][name]["operands"]["weight"] == gemms[1][name]["operands"]["weight"], name
+            assert gemms[0][name]["operands"]["activation"] != gemms[1][name]["operands"]["activation"], name
+            assert gemms[0][name]["sqnr_db"] > 20 and gemms[1][name]["sqnr_db"] > 20, name
 
 
 def _recorded_device_profile():

@@ -83,6 +83,12 @@ class HiF8Spec(FormatSpec):
         scale = operand.scale.reshape(-1, 1, 1) if operand.data.dim() == 3 else operand.scale
         return codec.decode(operand.data, torch.float32) * scale
 
+    def cast_saturated(self, operand: QuantizedOperand, source: torch.Tensor) -> torch.Tensor:
+        """Codes at ±32768 (``codec.HIF8_MAX``) whose source exceeds 32768 × the scale (none while the
+        current scale maps amax to ``format_max`` 15 or 224)."""
+        at_max = codec.decode(operand.data, torch.float32).abs() == codec.HIF8_MAX
+        return at_max & (source.to(torch.float32).abs() > self.dequantize(operand).abs())
+
     def gemm_factors(
         self, operand: QuantizedOperand, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:

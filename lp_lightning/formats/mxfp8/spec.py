@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from lp_lightning.formats.mxfp8 import codec
+from lp_lightning.formats.mxfp8.e8m0 import E4M3_MAX
 from lp_lightning.formats.operand import QuantizationRole, QuantizedOperand
 from lp_lightning.formats.quantizer import check_quantize_args
 from lp_lightning.formats.recipe import LowPrecisionRecipe
@@ -72,6 +73,12 @@ class MXFP8Spec(FormatSpec):
         if operand.orientation == "col" and operand.group_list is not None:
             return codec.dequantize_grouped(operand.data, operand.scale, operand.group_list, orientation="col")
         return codec.dequantize(operand.data, operand.scale, orientation=operand.orientation)
+
+    def cast_saturated(self, operand: QuantizedOperand, source: torch.Tensor) -> torch.Tensor:
+        """E4M3 elements at ±448 whose source exceeds 448 × the block scale (none under the RCEIL scale rule,
+        which maps a block's amax to at most 448: a non-zero count is a defect)."""
+        at_max = operand.data.to(torch.float32).abs() == E4M3_MAX
+        return at_max & (source.to(torch.float32).abs() > self.dequantize(operand).abs())
 
     def gemm_factors(self, operand: QuantizedOperand, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, None]:
         if operand.values is not None and operand.values.dtype == dtype:  # decoded by the quantise kernel
