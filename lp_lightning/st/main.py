@@ -43,9 +43,11 @@ from lp_lightning.usage import usage_error_text
 from lp_lightning.models.adapter import adapter_for_config
 from lp_lightning.st.conformance_row import conformance_rows
 from lp_lightning.st.cases import (
-    CASES, ROW_RUNS, STSettings, build_runs, case_by_name, cases_for_rows, runs_for_rows,
+    CASES, OPT_IN_ROWS, ROW_RUNS, ParitySettings, STSettings, build_runs, case_by_name, cases_for_rows, parity_runs,
+    runs_for_rows,
 )
 from lp_lightning.st.illegal import run_illegal_cases
+from lp_lightning.st.parity_row import parity_rows
 from lp_lightning.st.numerics import one_layer_comparison, operator_numerics, plot_one_layer, plot_operator_numerics
 from lp_lightning.st.report import short_run_checks, write_report
 from lp_lightning.st.rows import Row, evaluate_rows
@@ -96,9 +98,15 @@ def build_parser() -> ArgumentParser:
         parser.add_argument(f"--{name}", type=int, default=getattr(defaults, name), help=help_text)
     parser.add_argument("--cases", type=list[str], default=[c.name for c in CASES],
                         help="Cases to run; must include every case the selected rows read (unless --reduced).")
-    parser.add_argument("--rows", type=list[str], default=list(ROW_RUNS),
-                        help="Q3 rows (and conformance: the backend against the emulation) to evaluate; only the runs they "
-                             "need are run (default: all).")
+    parser.add_argument("--rows", type=list[str], default=[r for r in ROW_RUNS if r not in OPT_IN_ROWS],
+                        help="Q3 rows (and conformance: the backend against the emulation; parity, opt-in: loss parity "
+                             "against bf16 and its noise floor) to evaluate; only the runs they need are run (default: "
+                             "all but parity).")
+    parity_defaults = ParitySettings()
+    parser.add_argument("--parity_seeds", type=list[int], default=list(parity_defaults.seeds),
+                        help="parity row: seeds; per seed a bf16, mxfp8, hif8_current and bf16-noise (AdamW eps x 1.01) run.")
+    parser.add_argument("--parity_steps", type=int, default=parity_defaults.steps,
+                        help="parity row: optimizer steps of each of its runs.")
     parser.add_argument("--skip", type=list[str], default=[], help=f"Parts to skip, of {list(PARTS)} (the rows that read them fail; "
                         "skipped numerics leave N-1/N-2 out).")
     parser.add_argument("--reuse_runs", type=bool, default=False,
@@ -118,9 +126,9 @@ def build_parser() -> ArgumentParser:
 
 def _user_settings(
     config: str | None, parse_config: Callable[[Sequence[str]], Any]
-) -> tuple[bool, int, dict[str, list[str]], tuple[Any, ...], dict[str, Any]]:
-    """The user YAML's reshard_after_forward, device count, model targets and never-replace rules, after the CLI's
-    checks (exit 2 if bad).
+) -> tuple[bool, int, dict[str, list[str]], tuple[Any, ...], dict[str, Any], float]:
+    """The user YAML's reshard_after_forward, device count, model targets, never-replace rules, target meta and
+    ``(AdamW eps, accumulate_grad_batches)``, after the CLI's checks (exit 2 if bad).
 
     ``parse_config`` is the fit config parser the entry point hands over (:func:`st_main`).
     """
@@ -132,7 +140,8 @@ def _user_settings(
     # the target of N-1/N-2 and conformance; _st checks emulated_on_npu before any run
     meta = {"config": config or "embedded default (dsv3-tiny)",
             **run_target(parsed.trainer.accelerator, parsed.get("backend")).as_meta()}
-    return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta
+    meta_eps = (float(parsed.model.eps), int(parsed.trainer.get("accumulate_grad_batches") or 1))
+    return bool(parsed.fsdp_config.reshard_after_forward), devices, targets, never_replace, meta, meta_eps
 
 
 def model_targets(config_name_or_path: str, overrides: dict[str, Any] | None) -> dict[str, list[str]]:
@@ -263,6 +272,10 @@ def _check_options(args: Any) -> tuple[STSettings, tuple[Any, ...], set[str]]:
         cases = tuple(case_by_name(name) for name in args.cases)
     except ValueError as err:
         problems.append(str(err))
+    try:
+        ParitySettings(seeds=tuple(args.parity_seeds), steps=args.parity_steps)
+    except ValueError as err:
+        problems += str(err).splitlines()
     unknown = sorted(set(args.skip) - set(PARTS))
     if unknown:
         problems.append(f"--skip {unknown}: unknown part; parts: {list(PARTS)}.")
@@ -280,7 +293,7 @@ def _check_options(args: Any) -> tuple[STSettings, tuple[Any, ...], set[str]]:
     if problems:
         raise ValueError("\n".join(problems))
     assert settings is not None and cases is not None and needed is not None
-    if set(args.rows) == set(ROW_RUNS):  # the full report: §17.4 also compares the bf16 variants
+    if set(args.rows) >= set(ROW_RUNS) - set(OPT_IN_ROWS):  # the full report: §17.4 also compares the bf16 variants
         needed |= {f"{kind}/bf16" for kind in ("reshard", "recompute")}
     return settings, cases, needed
 
@@ -323,7 +336,8 @@ def _st(
         problems.append(str(err))
     if problems:
         parser.error("\n".join(problems))
-    reshard_after_forward, devices, targets, never_replace, meta = _user_settings(args.config, parse_config)
+    reshard_after_forward, devices, targets, never_replace, meta, (eps, accumulate) = _user_settings(
+        args.config, parse_config)
     if error := emulated_on_npu_error(meta["target"]["emulated_on_npu"], args.allow_emulated):
         parser.error(error)
     if args.devices is None:
@@ -331,6 +345,9 @@ def _st(
     config = Path(args.config).resolve() if args.config else None
     specs = [s for s in build_runs(settings, reshard_after_forward=reshard_after_forward, cases=cases)
              if s.name in needed and "runs" not in args.skip]
+    parity = ParitySettings(seeds=tuple(args.parity_seeds), steps=args.parity_steps, eps=eps, accumulate=accumulate)
+    if "parity" in args.rows and "runs" not in args.skip:
+        specs += parity_runs(parity)
     try:
         reused = _reused_runs(out, specs, settings, config) if args.reuse_runs else set()
     except ValueError as err:
@@ -378,6 +395,7 @@ def _st(
     rows = evaluate_rows(runs, settings, illegal=illegal, reshard_after_forward=reshard_after_forward,
                          targets=targets, never_replace=never_replace, only=args.rows, thresholds=thresholds)
     rows += conformance_rows(out, meta, args.rows)  # docs/acceptance.md "Backend conformance"
+    rows += parity_rows(runs, out, args.rows, parity, thresholds)  # docs/acceptance.md "Loss parity"
     mark_provisional([*rows, *numerics_rows], thresholds)
     meta.update(versions=software_versions(), seconds=round(time.perf_counter() - started, 1),
                 user_reshard_after_forward=reshard_after_forward, skipped_parts=list(args.skip),

@@ -250,13 +250,14 @@ def markdown(result: dict[str, Any], *, plot: Path | None = None, doc: Path | No
 
     s = result.get("settings", {})
     floor = result["noise_floor"]
+    width = f"Hidden {s['width']}, " if s.get("width") else ""
     lines = [
-        f"Hidden {s.get('width')}, {s.get('steps')} steps, seeds {s.get('seeds')}, corpus {s.get('corpus')}; "
+        f"{width}{s.get('steps')} steps, seeds {s.get('seeds')}, corpus {s.get('corpus')}; "
         f"noise floor = RMS over {floor['seeds']} seeds of `{floor['variant']}` ({s.get('noise')}) against bf16: "
         f"training {_f(floor['train_pct'], '{:.3f}')} %, validation {_f(floor['val_pct'], '{:.3f}')} %. "
         f"Gaps in % of bf16 (positive = higher loss), training = mean of the last {result['last_steps']} steps.",
         "",
-        "| seed | run | train last-50 | gap % | / noise | val loss | gap % | / noise | gap % per "
+        f"| seed | run | train last-{result['last_steps']} | gap % | / noise | val loss | gap % | / noise | gap % per "
         f"{result['window_steps']}-step window |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

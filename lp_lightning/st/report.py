@@ -24,6 +24,7 @@ from typing import Any
 
 from lp_lightning.st.cases import CASES, STSettings, build_runs
 from lp_lightning.st.conformance_row import conformance_section
+from lp_lightning.st.parity_row import parity_section
 from lp_lightning.st.rows import Row, steady_performance
 from lp_lightning.st.runner import RunResult
 from lp_lightning.st.sections import report_sections, sections_markdown
@@ -567,5 +568,6 @@ def write_report(
         "Not measured: no main run ran (`--cases`/`--rows` selected none).", ""]
     md += sections_markdown(report["sections"])
     md += conformance_section(out, rows)
+    md += parity_section(out, rows)
     (out / "report.md").write_text("\n".join(md) + "\n")
     return report

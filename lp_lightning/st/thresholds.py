@@ -39,6 +39,7 @@ import yaml
 
 from lp_lightning.formats.recipe import SQNR_FLOORS_DB
 from lp_lightning.st.cases import CASES, case_by_name
+from lp_lightning.st.parity import TOLERANCE_PCT
 from lp_lightning.st.verdict import Row, unit_roundoff
 
 __all__ = [
@@ -82,6 +83,8 @@ THRESHOLD_KEYS: dict[str, _Key] = {
                                  0.0, math.inf),
     "max_step_time_ratio": _Key("Q3-11: steady mean step time of mxfp8/hif8 over bf16 must be at most this",
                                 0.0, math.inf),
+    "parity_max_gap_pct": _Key("parity: |last-50 training loss mean and last validation loss - bf16's| in % of "
+                               "bf16's, on every seed, per low precision", 0.0, 100.0),
 }
 """The keys of a thresholds file, with what each bounds and its legal range."""
 
@@ -97,6 +100,7 @@ def _builtin_values() -> dict[str, Any]:
         "one_layer_sqnr_floor_db": {p: dict(v) for p, v in floors.items()},
         "min_throughput_ratio": 1.0,
         "max_step_time_ratio": 1.0,
+        "parity_max_gap_pct": {p: TOLERANCE_PCT for p in _LOW_PRECISIONS},
     }
 
 

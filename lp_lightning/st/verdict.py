@@ -36,6 +36,7 @@ ROW_TITLES = {
     "Q3-10": "Illegal configurations",
     "Q3-11": "No performance regression",
     "conformance": "Backend conformance against the emulation",
+    "parity": "Loss parity against BF16 and its noise floor",
     "N-1": "Operators against a BF16 golden (§17.3.2 item 1)",
     "N-2": "One-layer model against BF16 (§17.3.2 item 2)",
     "N-3": "Short-run loss and grad-norm curves (§17.3.2 item 3)",

@@ -1,0 +1,104 @@
+"""The parity figures (lp_lightning.st.parity) and benchmarks/parity.py end to end (issue 25).
+
+The figures are checked on synthetic runs whose gaps are known; the script runs its real CLI fits on
+a tiny setting (width 256, 6 steps, one seed, the Shakespeare corpus) and writes the JSON, the plot and
+the table between its markers.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lp_lightning.st import parity
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(losses, val=()):
+    return parity.ParityRun(tuple(losses), tuple(val), Path("."))
+
+
+def test_gaps_are_in_percent_of_bf16_and_in_units_of_the_noise_floor():
+    base = [4.0] * 100
+    runs = {}
+    for seed, noise in ((0, 1.002), (1, 0.998)):  # the bf16 noise run is ±0.2 % off its baseline
+        runs[(seed, "bf16")] = _run(base, [(50, 5.0), (100, 4.0)])
+        runs[(seed, parity.NOISE_VARIANT)] = _run([v * noise for v in base], [(50, 5.0), (100, 4.0 * noise)])
+        runs[(seed, "mxfp8")] = _run([4.0] * 50 + [4.04] * 50, [(50, 5.0), (100, 4.1)])  # +1 % late, val +2.5 %
+    result = parity.analyse(runs, last=50, window=50)
+    floor = result["noise_floor"]
+    assert floor["train_pct"] == pytest.approx(0.2) and floor["val_pct"] == pytest.approx(0.2) and floor["seeds"] == 2
+    row = result["per_seed"]["0"]["mxfp8"]
+    assert row["train_gap_pct"] == pytest.approx(1.0) and row["val_gap_pct"] == pytest.approx(2.5)
+    assert row["train_noise_units"] == pytest.approx(5.0) and row["val_noise_units"] == pytest.approx(12.5)
+    assert row["window_gap_pct"] == [0.0, 1.0]  # the gap opened in the second window
+    assert row["val_gap_pct_by_step"] == {"50": 0.0, "100": 2.5}
+    overall = result["overall"]["mxfp8"]
+    assert overall["train_gap_pct_worst"] == pytest.approx(1.0) and overall["within_pct"] is False  # val 2.5 % > 2 %
+    assert result["overall"][parity.NOISE_VARIANT]["within_pct"] is True
+    assert list(result["overall"]) == ["mxfp8", parity.NOISE_VARIANT]
+    table = parity.markdown({**result, "settings": {"width": 512, "steps": 100, "seeds": [0, 1]}})
+    assert "| seed | run | train last-50 |" in table
+    assert "| 0 | mxfp8 | 4.0400 | +1.00 | +5.0 | 4.1000 | +2.50 | +12.5 | +0.0 +1.0 |" in table
+    assert "| mxfp8 | 2 | +1.00 (+1.00) | +2.50 (+2.50) | no |" in table
+
+
+def test_a_seed_without_its_baseline_or_of_another_length_is_refused():
+    with pytest.raises(ValueError, match="seed 3: no bf16 run"):
+        parity.analyse({(3, "mxfp8"): _run([1.0] * 10)}, last=5)
+    with pytest.raises(ValueError, match="mxfp8 has 9 steps, bf16 10"):
+        parity.analyse({(0, "bf16"): _run([1.0] * 10), (0, "mxfp8"): _run([1.0] * 9)}, last=5)
+
+
+def test_a_run_folder_gives_its_losses_and_every_validation(tmp_path):
+    (tmp_path / "logs" / "version_1").mkdir(parents=True)
+    (tmp_path / "run_summary.json").write_text(json.dumps({"losses": [3.0, None, 2.0], "val_loss_last": 2.5}))
+    with open(tmp_path / "logs" / "version_1" / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["step", "train/loss", "val/loss"])
+        writer.writeheader()
+        writer.writerows([{"step": 0, "train/loss": 3.0}, {"step": 1, "val/loss": 2.7}, {"step": 2, "val/loss": 2.5}])
+    run = parity.load_parity_run(tmp_path)
+    assert run.losses[0] == 3.0 and math.isnan(run.losses[1]) and run.val == ((2, 2.7), (3, 2.5))  # 1-based steps
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        parity.load_parity_run(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_the_parity_script_runs_its_fits_and_writes_json_plot_and_table(tmp_path, token_cache_dir):
+    doc = tmp_path / "doc.md"
+    doc.write_text("intro\n<!-- parity:begin -->\nold\n<!-- parity:end -->\nrest\n")
+    command = [sys.executable, str(REPO / "benchmarks" / "parity.py"), "--width", "256", "--steps", "6", "--last", "3",
+               "--seeds", "0", "--val-every", "3", "--val-batches", "1", "--fit-arg=--data.seq_len=32",
+               f"--fit-arg=--data.cache_dir={tmp_path / 'tokens'}",
+               "--work-dir", str(tmp_path / "runs"), "--results", str(tmp_path / "parity.json"),
+               "--plot", str(tmp_path / "parity.png"), "--doc", str(doc), "--corpus-cache", str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / "parity.json").read_text())
+    assert set(result["per_seed"]["0"]) == {"bf16", "mxfp8", "hif8", parity.NOISE_VARIANT}
+    assert set(result["overall"]) == {"mxfp8", "hif8", parity.NOISE_VARIANT}
+    for name in ("mxfp8", "hif8"):
+        row = result["per_seed"]["0"][name]
+        assert abs(row["train_gap_pct"]) < 5 and abs(row["val_gap_pct"]) < 5 and len(row["window_gap_pct"]) == 2
+    assert set(result["runs"]) == {f"seed0/{n}" for n in ("bf16", "mxfp8", "hif8", parity.NOISE_VARIANT)}
+    assert all(r["load_average_start"] is not None and r["threads"]["OMP_NUM_THREADS"] == "1"
+               for r in result["runs"].values())
+    assert "shakespeare" in result["settings"]["corpus"] and result["settings"]["noise"] == "eps"
+    noise_command = (tmp_path / "runs" / "seed0" / parity.NOISE_VARIANT / "command.txt").read_text()
+    assert "--model.eps 1.01e-08" in noise_command and "--seed_everything 0" in noise_command
+    text = doc.read_text()
+    assert text.startswith("intro\n<!-- parity:begin -->\nHidden 256, 6 steps") and text.endswith("<!-- parity:end -->\nrest\n")
+    assert "![parity curves and gaps](parity.png)" in text and (tmp_path / "parity.png").is_file()
+    # a second call reuses the finished runs (same commands) and only re-renders
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and all(r["reused"] for r in json.loads(again.stdout.splitlines()[-1])["runs"].values())
