@@ -19,6 +19,7 @@ the selected rows read, ``--required_steps`` >= 20 and ``--steady_steps`` >= ``-
 ``--devices`` >= 1 (with 1 process the FSDP rows Q3-05…Q3-08 are ``not-applicable`` unless a check
 fails); ``--out`` is a folder; ``--reuse_runs true`` needs runs under ``--out`` made with the same
 ``run.yaml`` and user YAML (each reused run is logged and marked ``reused`` in ``report.json``);
+``--parity_seeds`` distinct and ``--parity_steps`` >= 2 (the opt-in ``parity`` row, :mod:`lp_lightning.st.parity_row`);
 ``--thresholds`` names a valid thresholds YAML (:mod:`lp_lightning.st.thresholds`; every problem is
 listed); an NPU numerics target (the YAML's ``trainer.accelerator npu``) needs an importable torch_npu; a YAML
 with ``backend: emulated`` on the npu accelerator needs ``--allow_emulated true``

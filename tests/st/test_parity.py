@@ -102,3 +102,56 @@ def test_the_parity_script_runs_its_fits_and_writes_json_plot_and_table(tmp_path
     # a second call reuses the finished runs (same commands) and only re-renders
     again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and all(r["reused"] for r in json.loads(again.stdout.splitlines()[-1])["runs"].values())
+
+
+def _st_run(tmp_path: Path, name: str, losses, val_last):
+    from lp_lightning.st.cases import ParitySettings, parity_runs
+    from lp_lightning.st.runner import RunResult
+
+    spec = next(s for s in parity_runs(ParitySettings(seeds=(0, 1), steps=4)) if s.name == name)
+    folder = tmp_path / name
+    folder.mkdir(parents=True)
+    summary = {"losses": list(losses), "val_loss_last": val_last}
+    (folder / "run_summary.json").write_text(json.dumps(summary))
+    return RunResult(spec, folder, exit_code=0, summary=summary)
+
+
+def test_the_st_parity_row_checks_every_low_precision_case_and_seed(tmp_path):
+    from lp_lightning.st.cases import ParitySettings, parity_runs
+    from lp_lightning.st.parity_row import parity_row, parity_section
+    from lp_lightning.st.thresholds import BUILTIN_THRESHOLDS
+
+    settings = ParitySettings(seeds=(0, 1), steps=4, eps=1e-8)
+    specs = parity_runs(settings)
+    assert [s.name for s in specs[:4]] == [f"parity/seed0/{n}" for n in ("bf16", "mxfp8", "hif8_current", "bf16_noise")]
+    assert specs[3].overrides["model.eps"] == 1.01e-08 and specs[5].overrides["seed_everything"] == 1
+    assert all(s.overrides["trainer.val_check_interval"] == 4 and s.max_steps == 4 for s in specs)
+    values = {"bf16": 2.0, "mxfp8": 2.02, "hif8_current": 2.1, "bf16_noise": 2.01}  # hif8 +5 %: fails
+    runs = {s.name: _st_run(tmp_path / "runs", s.name, [3.0, 2.5] + [values[s.name.rsplit("/", 1)[1]]] * 2,
+                            values[s.name.rsplit("/", 1)[1]]) for s in specs}
+    row = parity_row(runs, tmp_path, settings, BUILTIN_THRESHOLDS)
+    assert row.verdict == "fail" and row.thresholds == ["parity_max_gap_pct.mxfp8", "parity_max_gap_pct.hif8"]
+    verdicts = {c.name.split(":")[0]: c.ok for c in row.checks}
+    assert verdicts == {"mxfp8 seed 0": True, "mxfp8 seed 1": True, "hif8_current seed 0": False,
+                        "hif8_current seed 1": False}
+    assert row.checks[0].observed == "train +1.00 % (+2.0 x noise), val +1.00 % (+2.0 x noise)"
+    assert row.evidence["noise_floor"]["train_pct"] == pytest.approx(0.5)
+    assert (tmp_path / "parity.json").is_file() and (tmp_path / "parity.png").is_file()
+    section = "\n".join(parity_section(tmp_path, [row]))
+    assert section.startswith("## Loss parity against BF16: **fail**") and "| 1 | hif8_current | 2.1000 | +5.00 |" in section
+    del runs["parity/seed1/bf16"]
+    row = parity_row(runs, tmp_path, settings, BUILTIN_THRESHOLDS)
+    assert row.checks[0].name == "every parity run finished" and not row.checks[0].ok
+    assert "parity/seed1/bf16" in row.checks[0].observed and len(row.checks) == 3  # seed 0 still judged
+
+
+def test_st_parity_options_are_checked_and_the_row_is_opt_in(capsys):
+    from lp_lightning.cli import main
+    from lp_lightning.st.main import build_parser
+
+    assert "parity" not in build_parser().parse_args([]).rows
+    with pytest.raises(SystemExit) as stop:
+        main(["st", "--rows", "[parity]", "--parity_seeds", "[1, 1]", "--parity_steps", "1"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--parity_seeds [1, 1]: name one or more different seeds." in err and "--parity_steps 1 must be >= 2." in err

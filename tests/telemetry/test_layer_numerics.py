@@ -205,3 +205,18 @@ def test_cast_saturated_counts_only_values_beyond_the_largest_element():
                                orientation="row", format_max=15.0)
     source = torch.tensor([[16384.0, -20000.0, 0.5]])  # 16384 / 0.5 = 32768 exactly; 20000 / 0.5 = 40000 clamped
     assert hif8.cast_saturated(operand, source).tolist() == [[False, True, False]]
+
+
+def test_a_format_that_cannot_tell_saturation_reports_none():
+    from types import SimpleNamespace
+
+    from lp_lightning.telemetry.layer_numerics import _OperandSums
+
+    source = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    fmt = SimpleNamespace(dequantize=lambda op: op.values, cast_saturated=lambda op, src: None)  # FormatSpec's default
+    operand = SimpleNamespace(format=fmt, values=torch.tensor([1.0, -2.0, 0.0, 0.0]), scale=torch.tensor(0.25))
+    sums = _OperandSums()
+    sums.add(operand, source)
+    metrics = sums.metrics()
+    assert metrics["saturated_frac"] is None and metrics["flush_frac"] == pytest.approx(1 / 3)
+    assert metrics["scale_log2_min"] == metrics["scale_log2_max"] == -2.0 and metrics["amax"] == 3.0
