@@ -14,7 +14,7 @@ mean training loss and of the final validation loss, and the same gaps in units 
 (the RMS over seeds of the noise-floor run's gap), the gap per 50-step window (does it grow?), and
 overall the mean and worst gap. Output: one JSON object on stdout and in ``--results``, the plot
 ``--plot`` (smoothed curves; gap with the noise band and +-2 %), the table between the
-``<!-- parity:begin -->`` / ``<!-- parity:end -->`` markers of ``--doc``.
+``<!-- parity:begin -->`` / ``<!-- parity:end -->`` markers of ``--doc`` (``--markers NAME``: other ones).
 
 Runs go ``--jobs`` at a time (default 2, ``OMP_NUM_THREADS`` = cores / jobs each); losses do not depend
 on it (deterministic runs), and each run records its wall time, threads and the load average at its
@@ -52,7 +52,6 @@ from suite.training import REPO, overrides_for, run_cli  # noqa: E402
 from lp_lightning.st import parity  # noqa: E402
 
 CORPUS_ARCHIVE = _HERE / "data" / "shakespeare.tar.xz"
-MARKERS = ("<!-- parity:begin -->", "<!-- parity:end -->")
 NOISE_EPS_FACTOR = 1.0 + 1e-2
 DATA_ORDER_OFFSET = 1000
 
@@ -167,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=_HERE / "parity.json")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "parity.png")
     parser.add_argument("--doc", type=str, default=str(REPO / "docs" / "numerics.md"),
-                        help="markdown file with the parity markers ('' = none)")
+                        help="markdown file with the markers ('' = none)")
+    parser.add_argument("--markers", default="parity",
+                        help="the table goes between <!-- NAME:begin --> and <!-- NAME:end --> of --doc")
     parser.add_argument("--rerun", action="store_true", help="run again even where a finished run matches")
     parser.add_argument("--analyse-only", action="store_true", help="read the runs already there, run nothing")
     args = parser.parse_args(argv)
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parity.plot(runs, result, args.plot)
     if args.doc:
         doc = Path(args.doc)
-        insert_between_markers(doc, parity.markdown(result, plot=args.plot, doc=doc), *MARKERS)
+        insert_between_markers(doc, parity.markdown(result, plot=args.plot, doc=doc),
+                               f"<!-- {args.markers}:begin -->", f"<!-- {args.markers}:end -->")
     print(json.dumps(result))
     return 0
 

@@ -31,7 +31,7 @@ def test_settings_and_matrix():
     assert {n.split("/")[0] for n in names} == {"main", "resume", "probe", "reshard", "recompute", "accum"}
     assert "probe/bf16" not in names and "accum/bf16" not in names
     assert runs_for_rows(["Q3-09"]) >= {"main/bf16", "resume/hif8_current"}
-    assert set(ROW_RUNS) == {f"Q3-{i:02d}" for i in range(1, 12)} | {"conformance"}
+    assert set(ROW_RUNS) == {f"Q3-{i:02d}" for i in range(1, 12)} | {"conformance", "parity"}  # parity: opt-in
     with pytest.raises(ValueError, match="Q3-12"):
         runs_for_rows(["Q3-12"])
     with pytest.raises(ValueError, match="accumulation=1"):
