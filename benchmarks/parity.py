@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                 records[(seed, name)] = future.result()
                 print(f"parity: seed {seed} {name} done ({records[(seed, name)]['wall_s']} s"
                       f"{', reused' if records[(seed, name)]['reused'] else ''})", file=sys.stderr, flush=True)
+    for seed, v in plan:  # --analyse-only: each run's own record (wall time, threads, load)
+        record_path = work / f"seed{seed}" / v.name / "parity_run.json"
+        if (seed, v.name) not in records and record_path.is_file():
+            records[(seed, v.name)] = {**json.loads(record_path.read_text()), "reused": True}
     runs = {(seed, v.name): parity.load_parity_run(work / f"seed{seed}" / v.name) for seed, v in plan}
     result = parity.analyse(runs, last=args.last, window=args.val_every)
     result["settings"] = {

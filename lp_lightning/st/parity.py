@@ -16,8 +16,9 @@ than bf16):
 * ``*_noise_units``: the gap divided by the noise floor, the RMS over seeds of the noise-floor
   run's gap (``noise_floor.train_pct`` / ``val_pct``); ``None`` without a noise-floor run.
 
-Per variant over seeds: mean, worst (largest) and largest-magnitude gap, and ``within_pct``: every
-seed's training and validation gap within ``tolerance_pct`` (2 %) in magnitude.
+Per variant over seeds: mean, sample standard deviation, worst (largest) and largest-magnitude gap,
+the mean in noise units, and ``within_pct``: every seed's training and validation gap within
+``tolerance_pct`` (2 %) in magnitude.
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ def analyse(runs: dict[tuple[int, str], ParityRun], *, last: int = LAST_STEPS, w
         for key in ("train", "val"):
             gaps = [r[f"{key}_gap_pct"] for r in rows if r[f"{key}_gap_pct"] is not None]
             summary[f"{key}_gap_pct_mean"] = _r(statistics.fmean(gaps), 3) if gaps else None
+            summary[f"{key}_gap_pct_std"] = _r(statistics.stdev(gaps), 3) if len(gaps) > 1 else None
             summary[f"{key}_gap_pct_worst"] = _r(max(gaps), 3) if gaps else None
             summary[f"{key}_gap_pct_max_abs"] = _r(max(abs(g) for g in gaps), 3) if gaps else None
             summary[f"{key}_noise_units_mean"] = _r(_units(summary[f"{key}_gap_pct_mean"], floor[f"{key}_pct"]), 2)
@@ -267,11 +269,14 @@ def markdown(result: dict[str, Any], *, plot: Path | None = None, doc: Path | No
             lines.append(f"| {seed} | {name} | {_f(r['train_last_mean'], '{:.4f}')} | {_f(r['train_gap_pct'])} | "
                          f"{_f(r.get('train_noise_units'), '{:+.1f}')} | {_f(r['val_last'], '{:.4f}')} | "
                          f"{_f(r['val_gap_pct'])} | {_f(r.get('val_noise_units'), '{:+.1f}')} | {windows} |")
-    lines += ["", f"| run | seeds | train gap % mean (worst) | val gap % mean (worst) | within ±{result['tolerance_pct']:g} % on every seed |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| run | seeds | train gap % mean ± std (worst) | / noise | val gap % mean ± std (worst) | / noise | "
+              f"within ±{result['tolerance_pct']:g} % on every seed |", "|---|---|---|---|---|---|---|"]
     for name, o in result["overall"].items():
-        lines.append(f"| {name} | {o['seeds']} | {_f(o['train_gap_pct_mean'])} ({_f(o['train_gap_pct_worst'])}) | "
-                     f"{_f(o['val_gap_pct_mean'])} ({_f(o['val_gap_pct_worst'])}) | {'yes' if o['within_pct'] else 'no'} |")
+        spread = {k: "" if o.get(f"{k}_gap_pct_std") is None else f" ± {o[f'{k}_gap_pct_std']:.2f}" for k in ("train", "val")}
+        lines.append(f"| {name} | {o['seeds']} | {_f(o['train_gap_pct_mean'])}{spread['train']} ({_f(o['train_gap_pct_worst'])}) | "
+                     f"{_f(o['train_noise_units_mean'], '{:+.2f}')} | {_f(o['val_gap_pct_mean'])}{spread['val']} "
+                     f"({_f(o['val_gap_pct_worst'])}) | {_f(o['val_noise_units_mean'], '{:+.2f}')} | "
+                     f"{'yes' if o['within_pct'] else 'no'} |")
     m = result.get("machine", {})
     if m:
         lines += ["", f"Measured {m.get('date_utc')} on {m.get('cpu_model')} ({m.get('usable_cpus')} CPUs), "

@@ -48,7 +48,7 @@ def test_gaps_are_in_percent_of_bf16_and_in_units_of_the_noise_floor():
     table = parity.markdown({**result, "settings": {"width": 512, "steps": 100, "seeds": [0, 1]}})
     assert "| seed | run | train last-50 |" in table
     assert "| 0 | mxfp8 | 4.0400 | +1.00 | +5.0 | 4.1000 | +2.50 | +12.5 | +0.0 +1.0 |" in table
-    assert "| mxfp8 | 2 | +1.00 (+1.00) | +2.50 (+2.50) | no |" in table
+    assert "| mxfp8 | 2 | +1.00 ± 0.00 (+1.00) | +5.00 | +2.50 ± 0.00 (+2.50) | +12.50 | no |" in table
 
 
 def test_a_seed_without_its_baseline_or_of_another_length_is_refused():
