@@ -15,6 +15,10 @@ result::
         y = low_precision_matmul(x_op, w_op, layout="NT", output_dtype=torch.bfloat16)
     assert events[0].backend == "emulated"
 
+Only while a GEMM-operand observer is registered (:func:`add_gemm_operands_observer`), each GEMM also
+delivers a :class:`GemmOperandsEvent` with its two operands, ``group_list`` and result (read them, never
+write): the per-layer numerics probe compares the result with a BF16 GEMM of the operands' sources.
+
 Every ``quantize`` / ``quantize_dual`` emits one ``QuantizeTraceEvent`` after the backend returns
 — only while a quantize observer is registered (:func:`add_quantize_observer`); otherwise no
 event is built. It carries the high-precision input and the operands (read them, never write):

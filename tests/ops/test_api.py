@@ -384,3 +384,22 @@ def test_importing_the_package_does_not_import_torch_npu():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_gemm_operand_events_carry_the_operands_and_result_only_while_observed():
+    from lp_lightning.formats.operand import QuantizationRole
+    from lp_lightning.formats.registry import format_spec
+    from lp_lightning.ops import add_gemm_operands_observer, gemm_role, low_precision_matmul, quantize
+    from lp_lightning.ops import trace
+
+    spec = format_spec("mxfp8_e4m3")
+    quantizer = spec.recipe.quantizer(QuantizationRole.INPUT_FWD)
+    x, w = quantize(quantizer, torch.randn(4, 64), orientation="row"), quantize(quantizer, torch.randn(8, 64), orientation="row")
+    assert not trace.gemm_operands_observed()
+    events = []
+    with add_gemm_operands_observer(events.append), gemm_role("dense_fprop", weight_fqn="layer.weight"):
+        out = low_precision_matmul(x, w, layout="NT", output_dtype=torch.float32)
+    low_precision_matmul(x, w, layout="NT", output_dtype=torch.float32)  # after remove(): no event
+    (event,) = events
+    assert event.left is x and event.right is w and event.output is out and event.group_list is None
+    assert (event.layout, event.gemm_role.value, event.weight_fqn, event.backend) == ("NT", "dense_fprop", "layer.weight", "emulated")
