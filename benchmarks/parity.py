@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         if (seed, v.name) not in records and record_path.is_file():
             records[(seed, v.name)] = {**json.loads(record_path.read_text()), "reused": True}
     runs = {(seed, v.name): parity.load_parity_run(work / f"seed{seed}" / v.name) for seed, v in plan}
+    for (seed, name), record in records.items():  # the software each run was made with
+        summary = json.loads((work / f"seed{seed}" / name / "run_summary.json").read_text())
+        record["git_commit"] = (summary.get("versions") or {}).get("git_commit")
     result = parity.analyse(runs, last=args.last, window=args.val_every)
     result["settings"] = {
         "width": args.width, "steps": args.steps, "seeds": args.seeds, "precisions": args.precisions,
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     result["runs"] = {f"seed{s}/{n}": rec for (s, n), rec in sorted(records.items())}
     result["machine"] = machine(load_start)
     result["elapsed_s"] = round(time.perf_counter() - start, 1)
+    if args.analyse_only and args.results.is_file():  # the runs were measured earlier: keep that machine block
+        earlier = json.loads(args.results.read_text())
+        result["machine"], result["elapsed_s"] = earlier.get("machine", result["machine"]), earlier.get("elapsed_s")
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n")
     parity.plot(runs, result, args.plot)

@@ -277,12 +277,14 @@ def markdown(result: dict[str, Any], *, plot: Path | None = None, doc: Path | No
                      f"{_f(o['train_noise_units_mean'], '{:+.2f}')} | {_f(o['val_gap_pct_mean'])}{spread['val']} "
                      f"({_f(o['val_gap_pct_worst'])}) | {_f(o['val_noise_units_mean'], '{:+.2f}')} | "
                      f"{'yes' if o['within_pct'] else 'no'} |")
-    m = result.get("machine", {})
+    m, records = result.get("machine", {}), result.get("runs", {})
     if m:
-        lines += ["", f"Measured {m.get('date_utc')} on {m.get('cpu_model')} ({m.get('usable_cpus')} CPUs), "
-                  f"{s.get('jobs')} runs at a time with {s.get('threads_per_run')} thread(s) each, load average "
-                  f"{m.get('load_average_start')} → {m.get('load_average_end')}, {result.get('elapsed_s')} s "
-                  f"(git {m.get('versions', {}).get('git_commit')})."]
+        wall = sum(r.get("wall_s") or 0 for r in records.values())
+        commits = sorted({str(r.get("git_commit"))[:12] for r in records.values() if r.get("git_commit")})
+        lines += ["", f"{len(records)} runs, {wall:.0f} s of run time, {s.get('jobs')} at a time with "
+                  f"{s.get('threads_per_run')} thread(s) each on {m.get('cpu_model')} ({m.get('usable_cpus')} CPUs; "
+                  f"each run's wall time, threads and load average are in the JSON), last measured "
+                  f"{m.get('date_utc')}; runs made at git {', '.join(commits) or 'unknown'}."]
     if plot is not None:
         target = os.path.relpath(plot, doc.parent) if doc is not None else str(plot)
         lines += ["", f"![parity curves and gaps]({target})"]
