@@ -188,7 +188,7 @@ def _trailing_mean(values: tuple[float, ...], window: int) -> list[float]:
 
 
 _COLORS = {"bf16": "black", "mxfp8": "tab:blue", "hif8": "tab:orange", NOISE_VARIANT: "tab:gray"}
-_STYLES = ("-", "--", ":", "-.")
+_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 3)))
 
 
 def plot(runs: dict[tuple[int, str], ParityRun], result: dict[str, Any], path: Path) -> Path:
@@ -213,13 +213,18 @@ def plot(runs: dict[tuple[int, str], ParityRun], result: dict[str, Any], path: P
             steps = range(1, len(run.losses) + 1)
             smooth = _trailing_mean(run.losses, SMOOTHING_STEPS)
             label = name if i == 0 else None
-            top.plot(steps, smooth, style, color=colors[name], linewidth=1.2, label=label)
+            top.plot(steps, smooth, linestyle=style, color=colors[name], linewidth=1.2, label=label)
             if run.val:
                 top.plot([v[0] for v in run.val], [v[1] for v in run.val], "o", color=colors[name], markersize=3)
             if name != BASELINE:
                 gaps = [100.0 * (a - b) / b if math.isfinite(a) and math.isfinite(b) and b else math.nan
                         for a, b in zip(smooth, base)]
-                bottom.plot(steps, gaps, style, color=colors[name], linewidth=1.2, label=label)
+                bottom.plot(steps, gaps, linestyle=style, color=colors[name], linewidth=1.2, label=label)
+    curves = [_trailing_mean(run.losses, SMOOTHING_STEPS) for run in runs.values()]
+    finite = [v for c in curves for v in c if math.isfinite(v)]
+    early = [c[len(c) // 6] for c in curves if c and math.isfinite(c[len(c) // 6])]
+    if finite and early:  # the first steps' loss (~ln 256 for bytes) would flatten everything after them
+        top.set_ylim(min(finite) * 0.98, max(early) * 1.02)
     floor = result["noise_floor"].get("train_pct")
     if floor:
         bottom.axhspan(-floor, floor, color="tab:gray", alpha=0.2, label=f"noise floor ±{floor:.2f} % (last-{result['last_steps']} RMS)")
