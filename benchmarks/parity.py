@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -100,10 +101,43 @@ def variants(precisions: list[str], noise: str, extra: list[str]) -> list[Varian
     for spec in extra:
         name, _, rest = spec.partition("=")
         words = shlex.split(rest)
-        if not name or not words or words[0] not in parity.PRECISIONS:
-            raise SystemExit(f"--variant {spec!r}: use NAME=PRECISION [fit args...], PRECISION one of {parity.PRECISIONS}.")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not words or words[0] not in parity.PRECISIONS:
+            raise ValueError(f"--variant {spec!r}: use NAME=PRECISION [fit args...], NAME of letters, digits, '_', "
+                             f"'.' or '-', PRECISION one of {', '.join(parity.PRECISIONS)}.")
+        if name in {v.name for v in out}:
+            raise ValueError(f"--variant {spec!r}: the name {name!r} is taken (bf16, mxfp8, hif8, {parity.NOISE_VARIANT} "
+                             "and earlier variants); choose another.")
         out.append(Variant(name, words[0], tuple(words[1:])))
     return out
+
+
+def check_options(args: argparse.Namespace) -> list[str]:
+    """Every problem of the options, one line each (the suite would otherwise fail after starting runs)."""
+    problems = []
+    if len(set(args.seeds)) != len(args.seeds) or any(not 0 <= s < 2**32 for s in args.seeds):
+        problems.append(f"--seeds {' '.join(map(str, args.seeds))}: name different seeds in [0, 2^32).")
+    if args.last < 1 or args.steps < args.last:
+        problems.append(f"--last {args.last} must be in [1, --steps {args.steps}] (the training-loss mean's steps).")
+    if args.window < 1 or args.val_every < 1 or args.steps % args.val_every:
+        problems.append(f"--steps {args.steps} must be a multiple of --val-every {args.val_every} (>= 1: the final "
+                        f"validation is at the last step), --window {args.window} >= 1.")
+    if args.jobs < 1 or (args.threads is not None and args.threads < 1):
+        problems.append(f"--jobs {args.jobs} and --threads {args.threads} must be >= 1.")
+    try:
+        overrides_for(args.width)
+    except ValueError as err:
+        problems.append(f"--width {err}")
+    if args.corpus is not None and not args.corpus.exists():
+        problems.append(f"--corpus {args.corpus}: no such file or folder (a data.sources file or folder).")
+    if args.doc:
+        markers = (f"<!-- {args.markers}:begin -->", f"<!-- {args.markers}:end -->")
+        if not Path(args.doc).is_file() or not all(m in Path(args.doc).read_text() for m in markers):
+            problems.append(f"--doc {args.doc}: needs the lines {markers[0]} and {markers[1]} (or --doc '' for none).")
+    try:
+        variants(args.precisions, args.noise, args.variant)
+    except ValueError as err:
+        problems.append(str(err))
+    return problems
 
 
 def fit_command(run_dir: Path, variant: Variant, seed: int, args: argparse.Namespace, sources: Path) -> list[str]:
@@ -160,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=50, help="trainer.val_check_interval (steps)")
     parser.add_argument("--val-batches", type=int, default=16, help="data.val_batches (fixed validation tokens)")
     parser.add_argument("--last", type=int, default=parity.LAST_STEPS, help="steps of the training-loss mean")
+    parser.add_argument("--window", type=int, default=parity.LAST_STEPS, help="steps of each window of the gap-per-window figure")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run (default: cores / jobs)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: runs/parity/w<width>_s<steps>")
@@ -172,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="run again even where a finished run matches")
     parser.add_argument("--analyse-only", action="store_true", help="read the runs already there, run nothing")
     args = parser.parse_args(argv)
-    if args.steps < args.last:
-        parser.error(f"--steps {args.steps} is below --last {args.last}: the last-{args.last} mean needs that many steps.")
+    problems = check_options(args)
+    if problems:
+        parser.error("\n".join(problems))
 
     work = args.work_dir or REPO / "runs" / "parity" / f"w{args.width}_s{args.steps}"
     sources = args.corpus.resolve() if args.corpus else corpus_folder(cache=args.corpus_cache)
@@ -190,11 +226,20 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = work / f"seed{seed}" / v.name
                 futures[pool.submit(run_one, run_dir, fit_command(run_dir, v, seed, args, sources), threads,
                                     args.rerun)] = (seed, v.name)
+            failed = []
             for future in concurrent.futures.as_completed(futures):
                 seed, name = futures[future]
-                records[(seed, name)] = future.result()
+                try:
+                    records[(seed, name)] = future.result()
+                except RuntimeError as err:  # the fit failed: say which and where its log is, after the others
+                    failed.append(f"parity: seed {seed} {name} failed; {work / f'seed{seed}' / name / 'console.log'} "
+                                  f"ends:\n{str(err).split('console.log ends:', 1)[-1].strip()[-1500:]}")
+                    continue
                 print(f"parity: seed {seed} {name} done ({records[(seed, name)]['wall_s']} s"
                       f"{', reused' if records[(seed, name)]['reused'] else ''})", file=sys.stderr, flush=True)
+        if failed:
+            print("\n".join(failed), file=sys.stderr)
+            return 1
     for seed, v in plan:  # --analyse-only: each run's own record (wall time, threads, load)
         record_path = work / f"seed{seed}" / v.name / "parity_run.json"
         if (seed, v.name) not in records and record_path.is_file():
@@ -203,13 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     for (seed, name), record in records.items():  # the software each run was made with
         summary = json.loads((work / f"seed{seed}" / name / "run_summary.json").read_text())
         record["git_commit"] = (summary.get("versions") or {}).get("git_commit")
-    result = parity.analyse(runs, last=args.last, window=args.val_every)
+    result = parity.analyse(runs, last=args.last, window=args.window)
     result["settings"] = {
         "width": args.width, "steps": args.steps, "seeds": args.seeds, "precisions": args.precisions,
         "noise": args.noise, "noise_eps_factor": NOISE_EPS_FACTOR if args.noise == "eps" else None,
         "variants": [dataclasses.asdict(v) for _, v in plan[: len(plan) // len(args.seeds)]],
         "corpus": str(args.corpus) if args.corpus else f"{CORPUS_ARCHIVE.relative_to(REPO)} (unpacked to {sources})",
-        "val_every": args.val_every, "val_batches": args.val_batches, "jobs": args.jobs, "threads_per_run": threads,
+        "val_every": args.val_every, "val_batches": args.val_batches, "analysed_only": args.analyse_only, "jobs": args.jobs, "threads_per_run": threads,
         "fit_args": args.fit_arg, "work_dir": str(work),
     }
     result["runs"] = {f"seed{s}/{n}": rec for (s, n), rec in sorted(records.items())}

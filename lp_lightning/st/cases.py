@@ -327,8 +327,8 @@ class ParitySettings:
 
     def __post_init__(self) -> None:
         problems = []
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            problems.append(f"--parity_seeds {list(self.seeds)}: name one or more different seeds.")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or any(not 0 <= s < 2**32 for s in self.seeds):
+            problems.append(f"--parity_seeds {list(self.seeds)}: name one or more different seeds in [0, 2^32).")
         if self.steps < 2:
             problems.append(f"--parity_steps {self.steps} must be >= 2.")
         if problems:
@@ -341,8 +341,15 @@ class ParitySettings:
 
     @property
     def val_every(self) -> int:
-        """Optimizer steps between validations: 50, or the whole run when shorter (its last step validates
-        when 50 divides it)."""
+        """Optimizer steps between validations: the largest divisor of ``steps`` up to 50, so that the last
+        step validates (300 -> 50, 120 -> 40, 4 -> 4); a run longer than 50 steps without a divisor in
+        [10, 50] validates at its end only."""
+        divisor = max(d for d in range(1, min(50, self.steps) + 1) if self.steps % d == 0)
+        return divisor if divisor >= 10 or self.steps <= 50 else self.steps
+
+    @property
+    def window(self) -> int:
+        """Steps of each window of the gap-per-window figure (50, or the whole run when shorter)."""
         return min(50, self.steps)
 
 

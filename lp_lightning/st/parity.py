@@ -114,8 +114,19 @@ def _rms(values: list[float]) -> float | None:
     return math.sqrt(statistics.fmean(v * v for v in values)) if values else None
 
 
-def _r(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
+def _digits(key: str) -> int:
+    if "noise_units" in key:
+        return 2
+    return 5 if key in ("train_last_mean", "val_last") else 4
+
+
+def _rounded(value: Any, key: str = "") -> Any:
+    """``value`` with every float rounded for the JSON (losses 5 decimals, noise units 2, % 4)."""
+    if isinstance(value, dict):
+        return {k: _rounded(v, k if key not in ("val_gap_pct_by_step",) else key) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, key) for v in value]
+    return round(value, _digits(key)) if isinstance(value, float) else value
 
 
 def analyse(runs: dict[tuple[int, str], ParityRun], *, last: int = LAST_STEPS, window: int = 50,
@@ -145,19 +156,19 @@ def analyse(runs: dict[tuple[int, str], ParityRun], *, last: int = LAST_STEPS, w
                                  "compare runs of the same length.")
             train = _mean(run.losses[-last:])
             windows = [
-                _r(_pct(_mean(run.losses[k:k + window]), _mean(base.losses[k:k + window])), 3)
+                _pct(_mean(run.losses[k:k + window]), _mean(base.losses[k:k + window]))
                 for k in range(0, len(run.losses), window)
             ]
-            rows[name] = {"train_last_mean": _r(train, 5), "val_last": _r(run.val_last, 5),
-                          "train_gap_pct": _r(_pct(train, base_train), 3),
-                          "val_gap_pct": _r(_pct(run.val_last, base.val_last), 3),
+            rows[name] = {"train_last_mean": train, "val_last": run.val_last,
+                          "train_gap_pct": _pct(train, base_train),
+                          "val_gap_pct": _pct(run.val_last, base.val_last),
                           "window_gap_pct": windows if name != BASELINE else None,
-                          "val_gap_pct_by_step": {str(step): _r(_pct(v, dict(base.val).get(step)), 3)
+                          "val_gap_pct_by_step": {str(step): _pct(v, dict(base.val).get(step))
                                                   for step, v in run.val} if name != BASELINE else None}
         per_seed[seed] = rows
     noise = [per_seed[s][NOISE_VARIANT] for s in seeds if NOISE_VARIANT in per_seed[s]]
-    floor = {"train_pct": _r(_rms([n["train_gap_pct"] for n in noise if n["train_gap_pct"] is not None]), 4),
-             "val_pct": _r(_rms([n["val_gap_pct"] for n in noise if n["val_gap_pct"] is not None]), 4),
+    floor = {"train_pct": _rms([n["train_gap_pct"] for n in noise if n["train_gap_pct"] is not None]),
+             "val_pct": _rms([n["val_gap_pct"] for n in noise if n["val_gap_pct"] is not None]),
              "seeds": len(noise), "variant": NOISE_VARIANT}
     overall: dict[str, Any] = {}
     names = sorted({n for _, n in runs} - {BASELINE}, key=lambda n: (n not in PRECISIONS, n == NOISE_VARIANT, n))
@@ -165,29 +176,31 @@ def analyse(runs: dict[tuple[int, str], ParityRun], *, last: int = LAST_STEPS, w
         for seed in seeds:
             row = per_seed[seed].get(name)
             if row is not None:
-                row["train_noise_units"] = _r(_units(row["train_gap_pct"], floor["train_pct"]), 2)
-                row["val_noise_units"] = _r(_units(row["val_gap_pct"], floor["val_pct"]), 2)
+                row["train_noise_units"] = _units(row["train_gap_pct"], floor["train_pct"])
+                row["val_noise_units"] = _units(row["val_gap_pct"], floor["val_pct"])
         rows = [per_seed[s][name] for s in seeds if name in per_seed[s]]
         summary: dict[str, Any] = {"seeds": len(rows)}
         for key in ("train", "val"):
             gaps = [r[f"{key}_gap_pct"] for r in rows if r[f"{key}_gap_pct"] is not None]
-            summary[f"{key}_gap_pct_mean"] = _r(statistics.fmean(gaps), 3) if gaps else None
-            summary[f"{key}_gap_pct_std"] = _r(statistics.stdev(gaps), 3) if len(gaps) > 1 else None
-            summary[f"{key}_gap_pct_worst"] = _r(max(gaps), 3) if gaps else None
-            summary[f"{key}_gap_pct_max_abs"] = _r(max(abs(g) for g in gaps), 3) if gaps else None
-            summary[f"{key}_noise_units_mean"] = _r(_units(summary[f"{key}_gap_pct_mean"], floor[f"{key}_pct"]), 2)
+            summary[f"{key}_gap_pct_mean"] = statistics.fmean(gaps) if gaps else None
+            summary[f"{key}_gap_pct_std"] = statistics.stdev(gaps) if len(gaps) > 1 else None
+            summary[f"{key}_gap_pct_worst"] = max(gaps) if gaps else None
+            summary[f"{key}_gap_pct_max_abs"] = max(abs(g) for g in gaps) if gaps else None
+            summary[f"{key}_noise_units_mean"] = _units(summary[f"{key}_gap_pct_mean"], floor[f"{key}_pct"])
         summary["within_pct"] = bool(rows) and all(
             r[k] is not None and abs(r[k]) <= tolerance_pct for r in rows for k in ("train_gap_pct", "val_gap_pct"))
         overall[name] = summary
-    return {"per_seed": {str(s): v for s, v in per_seed.items()}, "noise_floor": floor, "overall": overall,
-            "last_steps": last, "window_steps": window, "tolerance_pct": tolerance_pct}
+    result = {"per_seed": {str(s): v for s, v in per_seed.items()}, "noise_floor": floor, "overall": overall,
+              "last_steps": last, "window_steps": window, "tolerance_pct": tolerance_pct}
+    return _rounded(result)  # once, at the end: the noise units come from the unrounded gaps
 
 
 def _trailing_mean(values: tuple[float, ...], window: int) -> list[float]:
     return [_mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
-_COLORS = {"bf16": "black", "mxfp8": "tab:blue", "hif8": "tab:orange", NOISE_VARIANT: "tab:gray"}
+_COLORS = {"bf16": "black", "mxfp8": "tab:blue", "hif8": "tab:orange", "hif8_current": "tab:orange",
+           NOISE_VARIANT: "tab:gray"}  # hif8_current: the st case of hif8
 _STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 3)))
 
 
@@ -204,14 +217,16 @@ def plot(runs: dict[tuple[int, str], ParityRun], result: dict[str, Any], path: P
     colors = dict(_COLORS)
     for _, name in sorted(runs):
         colors.setdefault(name, next(other, "tab:cyan"))
+    steps_of_run = max(len(r.losses) for r in runs.values())
+    smoothing = min(SMOOTHING_STEPS, max(1, steps_of_run // 5))
     for i, seed in enumerate(seeds):
         style = _STYLES[i % len(_STYLES)]
-        base = _trailing_mean(runs[(seed, BASELINE)].losses, SMOOTHING_STEPS)
+        base = _trailing_mean(runs[(seed, BASELINE)].losses, smoothing)
         for (s, name), run in sorted(runs.items()):
             if s != seed:
                 continue
             steps = range(1, len(run.losses) + 1)
-            smooth = _trailing_mean(run.losses, SMOOTHING_STEPS)
+            smooth = _trailing_mean(run.losses, smoothing)
             label = name if i == 0 else None
             top.plot(steps, smooth, linestyle=style, color=colors[name], linewidth=1.2, label=label)
             if run.val:
@@ -220,22 +235,24 @@ def plot(runs: dict[tuple[int, str], ParityRun], result: dict[str, Any], path: P
                 gaps = [100.0 * (a - b) / b if math.isfinite(a) and math.isfinite(b) and b else math.nan
                         for a, b in zip(smooth, base)]
                 bottom.plot(steps, gaps, linestyle=style, color=colors[name], linewidth=1.2, label=label)
-    curves = [_trailing_mean(run.losses, SMOOTHING_STEPS) for run in runs.values()]
+    curves = [_trailing_mean(run.losses, smoothing) for run in runs.values()]
     finite = [v for c in curves for v in c if math.isfinite(v)]
     early = [c[len(c) // 6] for c in curves if c and math.isfinite(c[len(c) // 6])]
     if finite and early:  # the first steps' loss (~ln 256 for bytes) would flatten everything after them
         top.set_ylim(min(finite) * 0.98, max(early) * 1.02)
     floor = result["noise_floor"].get("train_pct")
     if floor:
-        bottom.axhspan(-floor, floor, color="tab:gray", alpha=0.2, label=f"noise floor ±{floor:.2f} % (last-{result['last_steps']} RMS)")
+        bottom.axhspan(-floor, floor, color="tab:gray", alpha=0.2,
+                       label=f"noise floor ±{floor:.3g} % (RMS over seeds of the {NOISE_VARIANT} gap)")
     tol = result["tolerance_pct"]
     for y in (-tol, tol):
         bottom.axhline(y, color="tab:red", linestyle="--", linewidth=0.8)
     bottom.axhline(0, color="black", linewidth=0.5)
     settings = result.get("settings", {})
-    top.set_title(f"Parity: hidden {settings.get('width', '?')}, {settings.get('steps', '?')} steps, seeds "
-                  f"{', '.join(map(str, seeds))} (line style = seed; points = validation)", fontsize=10)
-    top.set_ylabel(f"training loss, trailing mean of {SMOOTHING_STEPS} (nats/token)")
+    width = f"hidden {settings['width']}, " if settings.get("width") else ""
+    top.set_title(f"Parity: {width}{steps_of_run} steps, seeds {', '.join(map(str, seeds))} (line style = seed; "
+                  "points = validation)", fontsize=10)
+    top.set_ylabel(f"training loss, trailing mean of {smoothing} (nats/token)")
     bottom.set_ylabel("gap to bf16 (%)")
     bottom.set_xlabel("optimizer step")
     bottom.set_ylim(-max(3 * tol, 1.0), max(3 * tol, 1.0))
@@ -260,7 +277,7 @@ def markdown(result: dict[str, Any], *, plot: Path | None = None, doc: Path | No
     width = f"Hidden {s['width']}, " if s.get("width") else ""
     lines = [
         f"{width}{s.get('steps')} steps, seeds {s.get('seeds')}, corpus {s.get('corpus')}; "
-        f"noise floor = RMS over {floor['seeds']} seeds of `{floor['variant']}` ({s.get('noise')}) against bf16: "
+        f"noise floor = RMS over {floor['seeds']} seed(s) of `{floor['variant']}` ({s.get('noise')}) against bf16: "
         f"training {_f(floor['train_pct'], '{:.3f}')} %, validation {_f(floor['val_pct'], '{:.3f}')} %. "
         f"Gaps in % of bf16 (positive = higher loss), training = mean of the last {result['last_steps']} steps.",
         "",
@@ -270,7 +287,7 @@ def markdown(result: dict[str, Any], *, plot: Path | None = None, doc: Path | No
     ]
     for seed, rows in result["per_seed"].items():
         for name, r in rows.items():
-            windows = " ".join(_f(w, "{:+.1f}") for w in (r.get("window_gap_pct") or []))
+            windows = " ".join(_f(w) for w in (r.get("window_gap_pct") or []))
             lines.append(f"| {seed} | {name} | {_f(r['train_last_mean'], '{:.4f}')} | {_f(r['train_gap_pct'])} | "
                          f"{_f(r.get('train_noise_units'), '{:+.1f}')} | {_f(r['val_last'], '{:.4f}')} | "
                          f"{_f(r['val_gap_pct'])} | {_f(r.get('val_noise_units'), '{:+.1f}')} | {windows} |")

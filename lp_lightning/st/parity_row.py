@@ -50,8 +50,8 @@ def parity_row(runs: dict[str, RunResult], out: Path, settings: ParitySettings,
     if missing:
         row.check("every parity run finished", False, f"not finished: {', '.join(missing)}",
                   f"{len(expected)} runs ({len(settings.seeds)} seeds x bf16, mxfp8, hif8_current, {parity.NOISE_VARIANT})")
-    result = parity.analyse({k: v for k, v in finished.items() if k[0] in complete}, last=settings.last_steps) \
-        if complete else None
+    result = parity.analyse({k: v for k, v in finished.items() if k[0] in complete}, last=settings.last_steps,
+                            window=settings.window) if complete else None
     if result is not None:
         result["settings"] = {"steps": settings.steps, "seeds": list(settings.seeds), "corpus": "the YAML's data",
                               "noise": f"AdamW eps x {NOISE_EPS_FACTOR:g}"}
@@ -91,7 +91,7 @@ def parity_section(out: Path, rows: Sequence[Row]) -> list[str]:
     row = next((r for r in rows if r.id == ROW_ID), None)
     if row is None:
         return []
-    lines = [f"## Loss parity against BF16: **{row.verdict}**", ""]
+    lines = [f"## Loss parity against BF16: **{row.shown_verdict}**", ""]
     try:
         result: dict[str, Any] = json.loads((out / FILE).read_text())
     except (OSError, ValueError):

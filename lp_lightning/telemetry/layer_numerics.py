@@ -6,7 +6,8 @@ observers (``lp_lightning.ops.add_gemm_operands_observer`` / ``add_quantize_obse
 it, on the step's real operands, with a BF16 GEMM of the **same high-precision operands** (the
 activation or gradient the operand was quantized from; the FP32 master weight in the GEMM view,
 gathered whole with ``DTensor.full_tensor`` when it is sharded). Per weight FQN and GEMM role
-(``dense_fprop`` … ``grouped_wgrad``), summed over the step's micro-batches:
+(``dense_fprop`` … ``grouped_wgrad``), summed over the step's micro-batches (and, with activation
+checkpointing, over the recomputed forward too: ``calls`` counts them):
 
 * ``sqnr_db`` = 10·log10(Σ ref² / Σ (out − ref)²), ``cosine`` = Σ out·ref / (‖out‖·‖ref‖),
   ``rel_bias`` = Σ (out − ref) / Σ |ref| (signed: a systematic shift, not noise);
@@ -290,6 +291,8 @@ class LayerNumericsProbe(ProbeCallback):
     def _on_start(self) -> None:
         self.steps_recorded = []
         self._reset_step()
+        if not self._low_precision and self._rank == 0:
+            print("lp-lightning: LayerNumericsProbe: this run has no 8-bit GEMM (bf16); it records nothing.")
 
     def _on_step_start(self) -> None:
         if not self.sampled or not self._low_precision or self._model is None:
@@ -385,10 +388,14 @@ class LayerNumericsProbe(ProbeCallback):
             "unmatched_operands": sum(sum(r["unmatched_operands"].values()) for r in self.steps_recorded),
             "nonfinite_outputs": sum(int(v or 0) for s in series.values() for v in s["nonfinite"]),
             "worst_sqnr": [{"series": name, "sqnr_db_mean": _finite(round(mean_sqnr(name), 3)),
-                            "sqnr_db_min": _min(None, *series[name]["sqnr_db"])} for name in worst],
+                            "sqnr_db_min": _round3(_min(None, *series[name]["sqnr_db"]))} for name in worst],
             "series": series,
             "plot": str(self.plot_path) if self.plot_path else None,
         }
+
+
+def _round3(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def _min(*values: float | None) -> float | None:
@@ -412,8 +419,9 @@ def _json_safe(value: Any) -> Any:
 def write_plot(summary: dict[str, Any], path: Path) -> Path:
     """The ten lowest-SQNR FQN×role series: GEMM SQNR (dB) and relative bias against BF16 per sampled step."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 7), dpi=100)
+    fig = Figure(figsize=(10, 8.5), dpi=100)
     top, bottom = fig.subplots(2, 1, sharex=True)
     for item in summary["worst_sqnr"]:
         s = summary["series"][item["series"]]
@@ -426,8 +434,9 @@ def write_plot(summary: dict[str, Any], path: Path) -> Path:
     bottom.set_xlabel("optimizer step")
     top.set_title(f"Per-layer numerics: the {len(summary['worst_sqnr'])} lowest-SQNR weight × GEMM role series",
                   fontsize=10)
-    top.legend(fontsize=6, loc="lower left", ncol=2)
-    fig.tight_layout()
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(*top.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.17, 1, 1))  # the legend below the axes, off the curves
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path

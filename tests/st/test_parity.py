@@ -47,7 +47,7 @@ def test_gaps_are_in_percent_of_bf16_and_in_units_of_the_noise_floor():
     assert list(result["overall"]) == ["mxfp8", parity.NOISE_VARIANT]
     table = parity.markdown({**result, "settings": {"width": 512, "steps": 100, "seeds": [0, 1]}})
     assert "| seed | run | train last-50 |" in table
-    assert "| 0 | mxfp8 | 4.0400 | +1.00 | +5.0 | 4.1000 | +2.50 | +12.5 | +0.0 +1.0 |" in table
+    assert "| 0 | mxfp8 | 4.0400 | +1.00 | +5.0 | 4.1000 | +2.50 | +12.5 | +0.00 +1.00 |" in table
     assert "| mxfp8 | 2 | +1.00 ± 0.00 (+1.00) | +5.00 | +2.50 ± 0.00 (+2.50) | +12.50 | no |" in table
 
 
@@ -154,4 +154,26 @@ def test_st_parity_options_are_checked_and_the_row_is_opt_in(capsys):
         main(["st", "--rows", "[parity]", "--parity_seeds", "[1, 1]", "--parity_steps", "1"])
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "--parity_seeds [1, 1]: name one or more different seeds." in err and "--parity_steps 1 must be >= 2." in err
+    assert "--parity_seeds [1, 1]: name one or more different seeds in [0, 2^32)." in err and "--parity_steps 1 must be >= 2." in err
+
+
+def test_st_parity_validates_at_the_last_step_and_checks_seed_bounds():
+    from lp_lightning.st.cases import ParitySettings
+
+    assert [ParitySettings(steps=n).val_every for n in (300, 150, 120, 125, 97, 4)] == [50, 50, 40, 25, 97, 4]
+    assert ParitySettings(steps=300).last_steps == 50 and ParitySettings(steps=4).last_steps == 2
+    with pytest.raises(ValueError, match=r"\[-1\]: name one or more different seeds in \[0, 2\^32\)"):
+        ParitySettings(seeds=(-1,))
+
+
+def test_the_parity_script_refuses_bad_options_before_any_run(tmp_path):
+    command = [sys.executable, str(REPO / "benchmarks" / "parity.py"), "--seeds", "0", "0", "--last", "0",
+               "--steps", "7", "--val-every", "3", "--width", "300", "--jobs", "0", "--corpus", str(tmp_path / "none"),
+               "--doc", str(tmp_path / "no.md"), "--variant", "bf16=mxfp8", "--work-dir", str(tmp_path / "runs")]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not (tmp_path / "runs").exists()
+    for text in ("--seeds 0 0: name different seeds", "--last 0 must be in [1, --steps 7]",
+                 "--steps 7 must be a multiple of --val-every 3", "--jobs 0 and --threads None must be >= 1",
+                 "--width width=300: use 256 times a power of two", f"--corpus {tmp_path / 'none'}: no such file",
+                 "needs the lines <!-- parity:begin -->", "the name 'bf16' is taken"):
+        assert text in proc.stderr, (text, proc.stderr)
