@@ -76,7 +76,7 @@ def test_the_parity_script_runs_its_fits_and_writes_json_plot_and_table(tmp_path
     doc = tmp_path / "doc.md"
     doc.write_text("intro\n<!-- parity:begin -->\nold\n<!-- parity:end -->\nrest\n")
     command = [sys.executable, str(REPO / "benchmarks" / "parity.py"), "--width", "256", "--steps", "6", "--last", "3",
-               "--seeds", "0", "--val-every", "3", "--val-batches", "1", "--fit-arg=--data.seq_len=32",
+               "--seeds", "0", "--val-every", "3", "--window", "3", "--val-batches", "1", "--fit-arg=--data.seq_len=32",
                f"--fit-arg=--data.cache_dir={tmp_path / 'tokens'}",
                "--work-dir", str(tmp_path / "runs"), "--results", str(tmp_path / "parity.json"),
                "--plot", str(tmp_path / "parity.png"), "--doc", str(doc), "--corpus-cache", str(tmp_path / "cache")]
