@@ -48,7 +48,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]  # suite/ and this checkout's lp_lightning
 from suite.common import load_average, machine  # noqa: E402
 from suite.report import insert_between_markers  # noqa: E402
-from suite.training import REPO, overrides_for, run_cli  # noqa: E402
+from suite.training import REPO, cli_env, overrides_for, run_cli  # noqa: E402
 
 from lp_lightning.st import parity  # noqa: E402
 
@@ -164,11 +164,8 @@ def run_one(run_dir: Path, command: list[str], threads: int, rerun: bool) -> dic
     if not rerun and record_path.is_file() and (run_dir / "command.txt").is_file():
         if (run_dir / "command.txt").read_text() == shlex.join(command):
             return {**json.loads(record_path.read_text()), "reused": True}
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     start_load, start = load_average(), time.perf_counter()
-    summary = run_cli(command, run_dir, env, timeout_s=6 * 3600.0)
+    summary = run_cli(command, run_dir, cli_env(threads), timeout_s=6 * 3600.0)
     record = {"wall_s": round(time.perf_counter() - start, 1), "load_average_start": start_load,
               "load_average_end": load_average(), "threads": summary.get("threads"),
               "step_time_s_steady_median": summary.get("step_time_s_steady_median")}

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lp_lightning.telemetry.loss_plot import trailing_mean
+
 __all__ = ["LAST_STEPS", "NOISE_VARIANT", "PRECISIONS", "TOLERANCE_PCT", "ParityRun", "analyse",
            "load_parity_run", "markdown", "plot"]
 
@@ -195,10 +197,6 @@ def analyse(runs: dict[tuple[int, str], ParityRun], *, last: int = LAST_STEPS, w
     return _rounded(result)  # once, at the end: the noise units come from the unrounded gaps
 
 
-def _trailing_mean(values: tuple[float, ...], window: int) -> list[float]:
-    return [_mean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
-
-
 _COLORS = {"bf16": "black", "mxfp8": "tab:blue", "hif8": "tab:orange", "hif8_current": "tab:orange",
            NOISE_VARIANT: "tab:gray"}  # hif8_current: the st case of hif8
 _STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 3)))
@@ -221,12 +219,12 @@ def plot(runs: dict[tuple[int, str], ParityRun], result: dict[str, Any], path: P
     smoothing = min(SMOOTHING_STEPS, max(1, steps_of_run // 5))
     for i, seed in enumerate(seeds):
         style = _STYLES[i % len(_STYLES)]
-        base = _trailing_mean(runs[(seed, BASELINE)].losses, smoothing)
+        base = trailing_mean(runs[(seed, BASELINE)].losses, smoothing)
         for (s, name), run in sorted(runs.items()):
             if s != seed:
                 continue
             steps = range(1, len(run.losses) + 1)
-            smooth = _trailing_mean(run.losses, smoothing)
+            smooth = trailing_mean(run.losses, smoothing)
             label = name if i == 0 else None
             top.plot(steps, smooth, linestyle=style, color=colors[name], linewidth=1.2, label=label)
             if run.val:
@@ -235,7 +233,7 @@ def plot(runs: dict[tuple[int, str], ParityRun], result: dict[str, Any], path: P
                 gaps = [100.0 * (a - b) / b if math.isfinite(a) and math.isfinite(b) and b else math.nan
                         for a, b in zip(smooth, base)]
                 bottom.plot(steps, gaps, linestyle=style, color=colors[name], linewidth=1.2, label=label)
-    curves = [_trailing_mean(run.losses, smoothing) for run in runs.values()]
+    curves = [trailing_mean(run.losses, smoothing) for run in runs.values()]
     finite = [v for c in curves for v in c if math.isfinite(v)]
     early = [c[len(c) // 6] for c in curves if c and math.isfinite(c[len(c) // 6])]
     if finite and early:  # the first steps' loss (~ln 256 for bytes) would flatten everything after them

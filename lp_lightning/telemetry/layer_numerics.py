@@ -103,6 +103,13 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+def _sqnr_db(signal2: float, error2: float) -> float | None:
+    """10·log10(Σ signal² / Σ error²): ``inf`` for an exact result, ``None`` without signal."""
+    if signal2 <= 0:
+        return None
+    return math.inf if error2 == 0 else 10 * math.log10(signal2 / error2)
+
+
 class _GemmSums:
     """Sufficient statistics of one FQN × role over a step."""
 
@@ -127,7 +134,7 @@ class _GemmSums:
         self.ref_abs += float(r.abs().sum())
 
     def metrics(self) -> dict[str, float | None]:
-        sqnr = (math.inf if self.err2 == 0 else 10 * math.log10(self.ref2 / self.err2)) if self.ref2 > 0 else None
+        sqnr = _sqnr_db(self.ref2, self.err2)
         norm = math.sqrt(self.out2 * self.ref2)
         return {"sqnr_db": sqnr, "cosine": self.dot / norm if norm > 0 else None,
                 "rel_bias": self.err / self.ref_abs if self.ref_abs > 0 else None, "nonfinite": float(self.nonfinite)}
@@ -166,7 +173,7 @@ class _OperandSums:
             self.scale_max = max(self.scale_max, float(torch.log2(scale.max())))
 
     def metrics(self) -> dict[str, float | None]:
-        sqnr = (math.inf if self.err2 == 0 else 10 * math.log10(self.src2 / self.err2)) if self.src2 > 0 else None
+        sqnr = _sqnr_db(self.src2, self.err2)
         return {"amax": self.amax, "sqnr_db": sqnr,
                 "flush_frac": self.flushed / self.nonzero if self.nonzero else 0.0,
                 "saturated_frac": None if self.saturated is None else self.saturated / max(1, self.numel),

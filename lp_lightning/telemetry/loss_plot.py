@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["finished_line", "loss_plot_path", "write_loss_plot"]
+__all__ = ["finished_line", "loss_plot_path", "trailing_mean", "write_loss_plot"]
 
 SMOOTHING_STEPS = 10
 """Window of the trailing mean drawn over the raw losses (from twice that many steps on)."""
@@ -23,7 +24,8 @@ def loss_plot_path(summary_path: Path) -> Path:
     return summary_path.with_name(name)
 
 
-def _trailing_mean(values: list[float], window: int) -> list[float]:
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
+    """The mean of the last ``window`` finite values up to each position (``nan`` where there is none)."""
     out = []
     for i in range(len(values)):
         seen = [v for v in values[max(0, i - window + 1): i + 1] if math.isfinite(v)]
@@ -53,7 +55,7 @@ def write_loss_plot(summary: dict[str, Any], path: Path) -> Path:
     ax.plot(steps, losses, color="tab:blue", linewidth=1, alpha=0.35 if smooth else 1.0,
             marker="o" if len(losses) < 20 else None, markersize=3, label="training loss")
     if smooth:
-        ax.plot(steps, _trailing_mean(losses, SMOOTHING_STEPS), color="tab:blue", linewidth=2,
+        ax.plot(steps, trailing_mean(losses, SMOOTHING_STEPS), color="tab:blue", linewidth=2,
                 label=f"trailing mean of {SMOOTHING_STEPS}")
     if summary.get("val_loss_last") is not None and steps:
         ax.plot([steps[-1]], [summary["val_loss_last"]], "s", color="tab:orange", label="validation loss (last)")
